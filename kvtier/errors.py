@@ -1,0 +1,81 @@
+"""The kvtier exception tree.
+
+Expected outcomes (a miss, a full tier, a refused admission) are return values, never
+exceptions. What remains is drawn here::
+
+    KvtierError
+    ├── ConfigError(ValueError)          bad configuration: names the key and what is allowed
+    ├── UnknownBackendError(KeyError)    a registry name that does not exist: lists the known ones
+    ├── BackendUnavailableError(ImportError)  an optional dependency is missing: says what to install
+    ├── ProtocolError                    a malformed, oversized or unexpected control message
+    ├── ClientError                      raised to engine-side clients
+    │   ├── ServerUnavailable            the node server cannot be reached (turn into misses)
+    │   └── RequestRejected              the server refused a request and said why
+    ├── TierError                        a lower tier failed
+    │   ├── TierIOError(OSError)         an I/O error from a tier's backing store
+    │   │   ├── TierTimeout              the backing store did not answer in time
+    │   │   └── TierFull                 the backing store itself is out of space (ENOSPC)
+    │   └── CorruptChunkError            header or checksum mismatch: never served
+    └── IntegrityError(RuntimeError)     check_integrity() found broken bookkeeping
+"""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvtierError, ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+class UnknownBackendError(KvtierError, KeyError):
+    """A registry lookup used a name that is not registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message.
+        return str(self.args[0]) if self.args else ""
+
+
+class BackendUnavailableError(KvtierError, ImportError):
+    """A registered backend needs an optional dependency that is not installed."""
+
+
+class ProtocolError(KvtierError):
+    """A control message could not be decoded, was too large, or made no sense."""
+
+
+class ClientError(KvtierError):
+    """Base for errors an engine-side client sees."""
+
+
+class ServerUnavailable(ClientError):
+    """The node server is not reachable; callers treat every chunk as a miss."""
+
+
+class RequestRejected(ClientError):
+    """The server answered with an error; the message says why."""
+
+
+class TierError(KvtierError):
+    """A storage tier below the arena failed."""
+
+
+class TierIOError(TierError, OSError):
+    """The backing store of a tier raised an I/O error."""
+
+
+class TierTimeout(TierIOError):
+    """The backing store did not answer within its time budget."""
+
+
+class TierFull(TierIOError):
+    """The backing store has no space left (independent of kvtier's own capacity)."""
+
+
+class CorruptChunkError(TierError):
+    """A stored chunk failed header or checksum verification."""
+
+
+class IntegrityError(KvtierError, RuntimeError):
+    """Internal bookkeeping disagrees with itself; raised by check_integrity()."""

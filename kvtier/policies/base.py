@@ -1,0 +1,184 @@
+"""Policy contracts. Policies decide; tiers and the store do the bookkeeping.
+
+An eviction *algorithm* (LRU, ARC, S3-FIFO: one small file each) only orders the keys of one
+tier and names victims. :class:`EvictionPolicy` wraps one algorithm instance per retention
+priority (0-100, TensorRT-LLM's scale, default 35) and always takes victims from the lowest
+priority present first, so a chunk at priority 80 outlives any number of chunks at 35::
+
+    EvictionPolicy
+      buckets[0]  -> Algorithm   (evicted first)
+      buckets[35] -> Algorithm
+      buckets[80] -> Algorithm   (evicted last)
+
+``evict(n, protected)`` is all-or-nothing: it returns exactly ``n`` victims, or ``None`` and
+changes nothing. Keys for which ``protected(key)`` is true (leased, being written or read)
+are never returned.
+
+An :class:`AdmissionPolicy` says whether a chunk may be written to a lower tier at all; it
+sees every use of a key through :meth:`AdmissionPolicy.record`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+DEFAULT_PRIORITY = 35
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+
+
+def check_priority(priority: object) -> int:
+    """The priority as an int; raises ValueError naming the allowed range otherwise."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer in [0, 100], got {priority!r}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be in [0, 100], got {priority}")
+    return priority
+
+
+class Algorithm(ABC, Generic[K]):
+    """One eviction algorithm over the keys of one priority bucket.
+
+    ``capacity`` is the tier's size in entries; algorithms with ghost lists or adaptive
+    targets (ARC, S3-FIFO) size them from it. The wrapper guarantees that ``insert`` is only
+    called for absent keys and ``touch``/``remove``/``evicted`` only for present ones.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+
+    @abstractmethod
+    def insert(self, key: K) -> None:
+        """Add a key that was just stored (it may be in a ghost list)."""
+
+    @abstractmethod
+    def touch(self, key: K) -> None:
+        """Record a hit on a present key."""
+
+    @abstractmethod
+    def remove(self, key: K) -> None:
+        """Forget a present key that left for another reason (deleted, corrupt, moved)."""
+
+    @abstractmethod
+    def victims(self) -> Iterator[K]:
+        """Present keys in the order this algorithm would evict them. Must not mutate."""
+
+    @abstractmethod
+    def evicted(self, key: K) -> None:
+        """A key returned by ``victims`` was chosen; drop it (ghost lists may keep its name)."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+
+class EvictionPolicy(Generic[K]):
+    """Priority buckets of one algorithm; see the module docstring."""
+
+    def __init__(self, make: Callable[[int], Algorithm[K]], capacity: int) -> None:
+        self._make = make
+        self.capacity = capacity
+        self._buckets: dict[int, Algorithm[K]] = {}
+        self._priority: dict[K, int] = {}
+
+    def insert(self, key: K, priority: int = DEFAULT_PRIORITY) -> None:
+        """Track a newly stored key. Raises KeyError if it is already tracked."""
+        if key in self._priority:
+            raise KeyError(f"key already tracked by the eviction policy: {key!r}")
+        self._bucket(check_priority(priority)).insert(key)
+        self._priority[key] = priority
+
+    def touch(self, key: K) -> None:
+        """Record a hit; unknown keys are ignored (a hit may race an eviction)."""
+        priority = self._priority.get(key)
+        if priority is not None:
+            self._buckets[priority].touch(key)
+
+    def remove(self, key: K) -> None:
+        """Forget a key; unknown keys are ignored."""
+        priority = self._priority.pop(key, None)
+        if priority is not None:
+            self._buckets[priority].remove(key)
+
+    def set_priority(self, key: K, priority: int) -> None:
+        """Move a tracked key to another priority (it counts as a hit there)."""
+        old = self._priority.get(key)
+        if old is None or old == check_priority(priority):
+            return
+        self._buckets[old].remove(key)
+        self._bucket(priority).insert(key)
+        self._priority[key] = priority
+
+    def priority(self, key: K) -> int | None:
+        return self._priority.get(key)
+
+    def evict(self, n: int, protected: Callable[[K], bool] = lambda _: False) -> list[K] | None:
+        """Choose ``n`` unprotected victims, lowest priority first, and forget them.
+
+        Returns the victims in eviction order, or ``None`` (and changes nothing) when fewer
+        than ``n`` unprotected keys exist.
+        """
+        if n <= 0:
+            return []
+        chosen: list[tuple[int, K]] = []
+        for priority in sorted(self._buckets):
+            for key in self._buckets[priority].victims():
+                if not protected(key):
+                    chosen.append((priority, key))
+                    if len(chosen) == n:
+                        break
+            if len(chosen) == n:
+                break
+        if len(chosen) < n:
+            return None
+        for priority, key in chosen:
+            self._buckets[priority].evicted(key)
+            del self._priority[key]
+        return [key for _, key in chosen]
+
+    def order(self) -> list[K]:
+        """Every tracked key in eviction order (for tests and admin views)."""
+        return [k for p in sorted(self._buckets) for k in self._buckets[p].victims()]
+
+    def __len__(self) -> int:
+        return len(self._priority)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._priority
+
+    def _bucket(self, priority: int) -> Algorithm[K]:
+        bucket = self._buckets.get(priority)
+        if bucket is None:
+            bucket = self._buckets[priority] = self._make(self.capacity)
+        return bucket
+
+
+@dataclass(frozen=True)
+class AdmissionContext:
+    """What an admission rule may look at when a chunk is offered to a lower tier."""
+
+    key: bytes
+    priority: int
+    prefix_tokens: int
+    """Tokens of the whole prefix this chunk completes (chunk index + 1) * chunk tokens."""
+
+
+class AdmissionPolicy(ABC):
+    """Decides whether a chunk may be written to one lower tier."""
+
+    def __init__(self, param: int) -> None:
+        self.param = param
+
+    def record(self, key: bytes) -> None:
+        """A use of ``key`` (stored or hit in the tier above). Default: not needed."""
+
+    @abstractmethod
+    def admit(self, ctx: AdmissionContext) -> bool:
+        """True to write the chunk to the tier; never raises for a well-formed context."""

@@ -1,0 +1,11 @@
+"""Storage tiers: the arena (host RAM) and the registered tiers below it."""
+
+from __future__ import annotations
+
+from kvtier.registry import Registry
+from kvtier.tiers.base import LowerTier, StoredChunk
+
+TIERS: Registry[LowerTier] = Registry("tier type")
+TIERS.register("disk", "kvtier.tiers.disk:DiskTier")
+
+__all__ = ["TIERS", "LowerTier", "StoredChunk"]

@@ -1,0 +1,153 @@
+"""The host-RAM tier: one shared-memory region of fixed-size slots.
+
+The region is a file in ``/dev/shm`` created once by the node server (mode 0600: only the same
+user can map it) and mapped by engine processes, which copy KV straight into slots. Memory is
+pre-faulted at creation: first touch of fresh pages is ~20x slower than a copy into touched
+memory, so no page is touched for the first time on the data path.
+
+Slot bookkeeping lives only in the server process::
+
+    FREE ──alloc()──► WRITING ──publish()──► READY ──free()──► FREE
+                         │                    ▲ │
+                         └──────free()────────┘ └ lease()/unlease(): READY with leases > 0
+                                                  cannot be freed
+
+``WRITING`` covers both a client writing a new chunk and a lower tier reading one in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import mmap
+import os
+from collections import deque
+
+import numpy as np
+
+from kvtier.errors import ConfigError, IntegrityError
+
+SHM_DIR = "/dev/shm"
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+
+
+def shm_path(name: str) -> str:
+    if "/" in name or name.startswith("."):
+        raise ConfigError(f"arena name {name!r} must not contain '/' or start with '.'")
+    return os.path.join(SHM_DIR, name)
+
+
+class ArenaMapping:
+    """A process's mapping of an arena: the bytes only, no bookkeeping."""
+
+    def __init__(self, name: str, num_slots: int, slot_bytes: int, *, create: bool,
+                 prefault: bool = True) -> None:
+        self.name = name
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        size = num_slots * slot_bytes
+        path = shm_path(name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise ConfigError(f"arena {name!r} is smaller than {size} bytes")
+            populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+        except BaseException:
+            os.close(fd)
+            if create:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+        os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
+        if create and prefault:
+            self.array.fill(0)  # allocate every page now, not on the data path
+
+    def slot(self, index: int) -> memoryview:
+        """The whole slot ``index`` as a writable memoryview (no copy)."""
+        start = index * self.slot_bytes
+        return memoryview(self._mmap)[start : start + self.slot_bytes]
+
+    def close(self) -> None:
+        self.array = np.empty((0, 0), dtype=np.uint8)
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(shm_path(self.name))
+
+
+class Arena(ArenaMapping):
+    """The server's arena: the mapping plus slot states, leases and the free list."""
+
+    def __init__(self, name: str, num_slots: int, slot_bytes: int, *,
+                 prefault: bool = True) -> None:
+        super().__init__(name, num_slots, slot_bytes, create=True, prefault=prefault)
+        self.state = np.zeros(num_slots, dtype=np.int8)
+        self.leases = np.zeros(num_slots, dtype=np.int32)
+        self._free: deque[int] = deque(range(num_slots))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """A FREE slot, now WRITING; ``None`` when none is free."""
+        if not self._free:
+            return None
+        index = self._free.popleft()
+        self.state[index] = SlotState.WRITING
+        return index
+
+    def publish(self, index: int) -> None:
+        self._expect(index, SlotState.WRITING)
+        self.state[index] = SlotState.READY
+
+    def free(self, index: int) -> None:
+        if self.state[index] == SlotState.FREE:
+            raise IntegrityError(f"slot {index} freed twice")
+        if self.leases[index]:
+            raise IntegrityError(f"slot {index} freed while leased {self.leases[index]} times")
+        self.state[index] = SlotState.FREE
+        self._free.append(index)
+
+    def lease(self, index: int) -> None:
+        self._expect(index, SlotState.READY)
+        self.leases[index] += 1
+
+    def unlease(self, index: int) -> None:
+        if self.leases[index] <= 0:
+            raise IntegrityError(f"slot {index} released more often than leased")
+        self.leases[index] -= 1
+
+    def _expect(self, index: int, state: SlotState) -> None:
+        if self.state[index] != state:
+            raise IntegrityError(
+                f"slot {index} is {SlotState(self.state[index]).name}, expected {state.name}"
+            )
+
+    def check_integrity(self) -> None:
+        """Free list and states agree; leases only on READY slots; no slot listed twice."""
+        free = list(self._free)
+        if len(set(free)) != len(free):
+            raise IntegrityError("a slot appears twice in the free list")
+        states_free = set(np.flatnonzero(self.state == SlotState.FREE).tolist())
+        if states_free != set(free):
+            raise IntegrityError(
+                f"free list has {len(free)} slots, state table says {len(states_free)}"
+            )
+        bad = np.flatnonzero((self.leases != 0) & (self.state != SlotState.READY))
+        if bad.size:
+            raise IntegrityError(f"slots {bad.tolist()[:8]} are leased but not READY")
+        if (self.leases < 0).any():
+            raise IntegrityError("negative lease count")

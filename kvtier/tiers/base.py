@@ -1,0 +1,88 @@
+"""The contract of a storage tier below the arena (disk now; fs, s3, redis later).
+
+A lower tier stores whole chunks in the stored format of :mod:`kvtier.codec` (header page +
+payload, page padded) under their key. It is *only* storage: which chunks it holds, its
+capacity, eviction and admission are the store's bookkeeping (:mod:`kvtier.store`), so every
+tier gets the same policies and the same accounting.
+
+Data never passes through Python ``bytes``: writes take a memoryview of an arena slot, reads
+land in one. Every method may be called from the store's I/O threads concurrently, for
+different keys; the store never writes and deletes the same key at once.
+
+Errors: a missing chunk is a return value (``None``). Failures of the backing store raise
+:class:`~kvtier.errors.TierIOError` (or a subclass) *from* the original exception. Checksums
+are verified by the store, not here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.config import TierConfig
+from kvtier.keys import ChunkKey
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """One chunk found by :meth:`LowerTier.scan` when rebuilding the index."""
+
+    key: ChunkKey
+    size: int
+    """Bytes the chunk occupies in the tier (what counts against capacity)."""
+    mtime: float
+    """Last write time; rebuilds insert chunks into the eviction policy oldest first."""
+    priority: int
+
+
+class LowerTier(ABC):
+    """Chunk storage keyed by :data:`~kvtier.keys.ChunkKey`."""
+
+    def __init__(self, name: str, config: TierConfig) -> None:
+        self.name = name
+        self.config = config
+
+    @classmethod
+    def from_config(cls, name: str, config: TierConfig) -> LowerTier:
+        """Build the tier; raises ConfigError for bad ``config.options``."""
+        return cls(name, config)
+
+    @abstractmethod
+    def write(self, key: ChunkKey, data: memoryview) -> int:
+        """Store ``data`` (a sealed chunk, page padded) under ``key`` atomically.
+
+        Readers never see a partial chunk: either the old state or the whole new one.
+        Returns the bytes the chunk now occupies. Raises TierIOError (TierFull when the
+        backing store is out of space).
+        """
+
+    @abstractmethod
+    def read_into(self, key: ChunkKey, dst: memoryview) -> int | None:
+        """Read the chunk stored under ``key`` into the start of ``dst``.
+
+        Returns the number of bytes read, or ``None`` if the tier does not hold ``key``.
+        A chunk larger than ``dst`` raises CorruptChunkError. Raises TierIOError.
+        """
+
+    @abstractmethod
+    def delete(self, key: ChunkKey) -> None:
+        """Remove ``key``; a missing key is not an error. Raises TierIOError."""
+
+    @abstractmethod
+    def quarantine(self, key: ChunkKey) -> None:
+        """Move a chunk that failed verification out of the way (kept for inspection,
+        never served again). A missing key is not an error."""
+
+    @abstractmethod
+    def scan(self) -> Iterator[StoredChunk]:
+        """Every chunk the tier holds, for rebuilding the index after a restart. Cleans up
+        leftovers of interrupted writes on the way."""
+
+    def describe(self) -> dict[str, Any]:
+        """Static facts for the admin view and logs (never secrets)."""
+        return {"type": self.config.type, "name": self.name}
+
+    def close(self) -> None:
+        """Release resources; the tier is not used afterwards."""
