@@ -113,10 +113,20 @@ class TierConfig:
 
     type: str
     capacity_bytes: int = _size()
+    name: str = ""
     eviction: str = field(default="lru", metadata={"parse": _eviction})
     admission: tuple[tuple[str, int], ...] = field(default=(), metadata={"parse": _admission})
     write_policy: Literal["through", "back"] = "through"
+    io_threads: int = 2
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.io_threads <= 64:
+            raise ConfigError("io_threads must be in [1, 64]")
+        if not self.name:
+            object.__setattr__(self, "name", self.type)
+        if self.name == "arena" or not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
+            raise ConfigError("name must be lowercase [a-z0-9_-] (max 32) and not 'arena'")
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,9 @@ class ServerConfig:
             raise ConfigError("lease_ttl_s must be positive")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in [0, 65535] (0 picks a free port)")
+        names = [tier.name for tier in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tiers: names must be unique, got {names}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:
@@ -205,17 +218,21 @@ def _coerce(hint: Any, value: object, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: got {value!r}; allowed: {', '.join(map(str, args))}")
         return value
-    if origin is tuple and args and dataclasses.is_dataclass(args[0]):
+    if origin is tuple and args and _is_dataclass_type(args[0]):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list")
         return tuple(parse(args[0], item, f"{key}[{i}]") for i, item in enumerate(value))
-    if dataclasses.is_dataclass(hint):
+    if _is_dataclass_type(hint):
         return parse(hint, value, key)
     if origin is not None and issubclass(origin, Mapping):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping")
         return dict(value)
     return _scalar(hint, value, key)
+
+
+def _is_dataclass_type(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
 def _scalar(hint: Any, value: object, key: str) -> Any:

@@ -6,7 +6,7 @@ exceptions. What remains is drawn here::
     KvtierError
     ├── ConfigError(ValueError)          bad configuration: names the key and what is allowed
     ├── UnknownBackendError(KeyError)    a registry name that does not exist: lists the known ones
-    ├── BackendUnavailableError(ImportError)  an optional dependency is missing: says what to install
+    ├── BackendUnavailableError(ImportError)  an optional dependency is missing (says what to add)
     ├── ProtocolError                    a malformed, oversized or unexpected control message
     ├── ClientError                      raised to engine-side clients
     │   ├── ServerUnavailable            the node server cannot be reached (turn into misses)

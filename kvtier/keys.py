@@ -114,10 +114,12 @@ def chunk_keys(
     if start and parent is None:
         raise ValueError("resuming a chain at start > 0 needs the parent key")
     keys: list[ChunkKey] = []
-    raw = arr[: count * chunk_tokens].tobytes()
+    raw = memoryview(np.ascontiguousarray(arr[: count * chunk_tokens])).cast("B")
     step = chunk_tokens * 4
     for i in range(start, count):
-        prev = hashlib.sha256(prev + raw[i * step : (i + 1) * step]).digest()
+        h = hashlib.sha256(prev)
+        h.update(raw[i * step : (i + 1) * step])
+        prev = h.digest()
         keys.append(ChunkKey(prev))
     return keys
 

@@ -1,0 +1,1 @@
+"""Benchmarks that print figures side by side with a baseline from the same run."""

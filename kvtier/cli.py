@@ -1,0 +1,103 @@
+"""``kvtier`` command line: serve | server | bench | trace.
+
+Each subcommand lives with its package and exposes ``register(subparsers)``; modules whose
+optional dependencies are missing (vLLM for ``serve`` and ``bench ttft``) are reported when
+used, not when the CLI starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from kvtier import __version__
+from kvtier.errors import KvtierError
+
+_PLUGINS = {
+    "serve": "kvtier.vllm.serve",
+    "trace": "kvtier.trace.cli",
+}
+_BENCH_PLUGINS = {
+    "micro": "kvtier.bench.micro",
+    "ttft": "kvtier.bench.ttft",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_server(sub)
+    bench = sub.add_parser("bench", help="benchmarks that print figures against a baseline")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, module in _BENCH_PLUGINS.items():
+        _register(bench_sub, name, module)
+    for name, module in _PLUGINS.items():
+        _register(sub, name, module)
+    return parser
+
+
+def _register(sub: argparse._SubParsersAction, name: str, module: str) -> None:
+    try:
+        importlib.import_module(module).register(sub)
+    except ImportError as exc:
+        missing = sub.add_parser(name, help=f"(unavailable: {exc})")
+        missing.set_defaults(func=lambda _args, e=exc: _unavailable(name, e))
+
+
+def _unavailable(name: str, exc: ImportError) -> int:
+    print(f"kvtier {name}: unavailable here ({exc}); install with: pip install 'kvtier[vllm]'",
+          file=sys.stderr)
+    return 2
+
+
+def _add_server(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("server", help="run the node cache server")
+    p.add_argument("--config", required=True, help="YAML server config (see docs/server.md)")
+    p.add_argument("--socket", help="override socket_path from the config")
+    p.set_defaults(func=_run_server)
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvtier import logs
+    from kvtier.config import ServerConfig
+    from kvtier.server import NodeServer
+
+    config = ServerConfig.from_yaml(args.config)
+    if args.socket:
+        config = dataclasses.replace(config, socket_path=args.socket)
+    logs.setup(config.log_level, config.log_format)
+    server = NodeServer(config)
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvtierError as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

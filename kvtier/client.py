@@ -1,0 +1,213 @@
+"""The engine-side client of the node server: control socket + arena mapping.
+
+Every call either returns the server's answer or raises:
+
+- :class:`~kvtier.errors.ServerUnavailable` when the server cannot be reached (not started,
+  gone, timed out). The connection is dropped; the next call reconnects. Engines turn this into
+  misses (and skipped stores): the cache is an accelerator, never a dependency.
+- :class:`~kvtier.errors.RequestRejected` when the server refused the request (the message
+  says why); the connection stays usable.
+
+The client is thread-safe (one request at a time on its socket). Payloads move through the
+arena: ``payload_view(slot, n)`` is a numpy view of a slot's payload region, no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+from kvtier.errors import ProtocolError, RequestRejected, ServerUnavailable
+from kvtier.keys import ChunkKey
+from kvtier.protocol import (
+    Abort,
+    Commit,
+    CountReply,
+    Error,
+    Hello,
+    HelloReply,
+    Lease,
+    LeaseReply,
+    LeaseStatus,
+    Lookup,
+    LookupReply,
+    Release,
+    Reserve,
+    ReserveReply,
+    SetPriority,
+    Stats,
+    StatsReply,
+    Wait,
+    decode_reply,
+    encode,
+    read_frame,
+)
+from kvtier.tiers.arena import ArenaMapping
+
+R = TypeVar("R")
+MAX_REPLY_BYTES = 64 << 20
+
+__all__ = ["KvtierClient", "LeaseReply", "LeaseStatus"]
+
+
+class KvtierClient:
+    def __init__(self, socket_path: str, *, name: str = "client", timeout_s: float = 5.0
+                 ) -> None:
+        self.socket_path = socket_path
+        self.name = name
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._hello: HelloReply | None = None
+        self._arena: ArenaMapping | None = None
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ connection
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> HelloReply:
+        """Connect (if needed) and return the server's hello."""
+        with self._lock:
+            if self._sock is None or self._hello is None:
+                self._open()
+            assert self._hello is not None
+            return self._hello
+
+    def _open(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise ServerUnavailable(
+                f"kvtier server not reachable at {self.socket_path}: {exc}") from exc
+        self._sock = sock
+        hello = self._roundtrip(Hello(self.name, os.getpid()), HelloReply)
+        if self._arena is not None and (self._hello is None
+                                        or self._hello.arena_name != hello.arena_name):
+            self._arena.close()  # the server restarted with a new arena
+            self._arena = None
+        self._hello = hello
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock = None
+
+    def __enter__(self) -> KvtierClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ arena
+
+    @property
+    def arena(self) -> ArenaMapping:
+        """The server's arena, mapped into this process on first use."""
+        with self._lock:
+            hello = self.connect()
+            if self._arena is None:
+                self._arena = ArenaMapping(hello.arena_name, hello.num_slots, hello.slot_bytes,
+                                           create=False)
+            return self._arena
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.connect().slot_bytes
+
+    @property
+    def header_size(self) -> int:
+        return self.connect().header_size
+
+    def payload_view(self, slot: int, payload_len: int) -> np.ndarray:
+        """uint8 view of the payload region of ``slot`` (no copy)."""
+        start = self.header_size
+        return self.arena.array[slot, start : start + payload_len]
+
+    # ------------------------------------------------------------------ requests
+
+    def lookup(self, keys: Sequence[ChunkKey], *, namespace: str = "", prompt_tokens: int = 0,
+               chunk_tokens: int = 0) -> list[str]:
+        reply = self._call(Lookup(list(keys), namespace, prompt_tokens, chunk_tokens),
+                           LookupReply)
+        return reply.tiers
+
+    def lease(self, keys: Sequence[ChunkKey]) -> LeaseReply:
+        return self._call(Lease(list(keys)), LeaseReply)
+
+    def wait(self, lease_id: int, timeout_s: float) -> LeaseStatus:
+        return self._call(Wait(lease_id, timeout_s), LeaseStatus, extra_timeout=timeout_s)
+
+    def poll(self, lease_id: int) -> LeaseStatus:
+        return self._call(Wait(lease_id, 0.0), LeaseStatus)
+
+    def release(self, lease_id: int) -> None:
+        self._call(Release(lease_id), CountReply)
+
+    def reserve(self, namespace_fp: bytes, keys: Sequence[ChunkKey], *, payload_len: int,
+                tokens: int, priority: int = 35, first_index: int = 0) -> list[int | None]:
+        request = Reserve(namespace_fp, list(keys), payload_len, tokens, priority, first_index)
+        return self._call(request, ReserveReply).slots
+
+    def commit(self, keys: Sequence[ChunkKey]) -> int:
+        return self._call(Commit(list(keys)), CountReply).count
+
+    def abort(self, keys: Sequence[ChunkKey]) -> int:
+        return self._call(Abort(list(keys)), CountReply).count
+
+    def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
+        self._call(SetPriority(list(keys), priority), CountReply)
+
+    def stats(self) -> dict[str, object]:
+        return self._call(Stats(), StatsReply).stats
+
+    # ------------------------------------------------------------------ transport
+
+    def _call(self, request: msgspec.Struct, expect: type[R], extra_timeout: float = 0.0
+              ) -> R:
+        with self._lock:
+            if self._sock is None:
+                self._open()
+            return self._roundtrip(request, expect, extra_timeout)
+
+    def _roundtrip(self, request: msgspec.Struct, expect: type[R], extra_timeout: float = 0.0
+                   ) -> R:
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.settimeout(self.timeout_s + extra_timeout)
+            sock.sendall(encode(request))
+            body = read_frame(sock, MAX_REPLY_BYTES)
+            if body is None:
+                raise ConnectionError("server closed the connection")
+            reply = decode_reply(body)
+        except (OSError, ProtocolError) as exc:
+            self._drop()
+            raise ServerUnavailable(f"kvtier server at {self.socket_path}: {exc}") from exc
+        if isinstance(reply, Error):
+            if reply.code == "protocol":
+                self._drop()
+            raise RequestRejected(f"{reply.code}: {reply.message}")
+        if not isinstance(reply, expect):
+            self._drop()
+            raise ServerUnavailable(f"unexpected reply {type(reply).__name__}")
+        return reply

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one node server (or one embedded store).
+
+Each store gets its own registry, so several embedded servers in one process (tests) never
+collide. Label ``tier`` is ``arena`` or a lower tier's name; ``direction`` is ``read`` (from the
+tier) or ``write`` (into it).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_IO_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_OP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
+
+
+class StoreMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.lookup_chunks = Counter(
+            "kvtier_lookup_chunks", "Chunks asked for by lookups, by outcome",
+            ["outcome"], registry=r)
+        self.hits = Counter("kvtier_hits", "Chunks leased, by the tier that held them",
+                            ["tier"], registry=r)
+        self.bytes = Counter("kvtier_bytes", "Bytes moved to or from a tier",
+                             ["tier", "direction"], registry=r)
+        self.io_seconds = Histogram("kvtier_io_seconds", "Latency of one chunk I/O",
+                                    ["tier", "direction"], buckets=_IO_BUCKETS, registry=r)
+        self.io_errors = Counter("kvtier_io_errors", "Failed chunk I/O",
+                                 ["tier", "direction"], registry=r)
+        self.used_bytes = Gauge("kvtier_used_bytes", "Bytes held by a tier", ["tier"],
+                                registry=r)
+        self.capacity_bytes = Gauge("kvtier_capacity_bytes", "Capacity of a tier", ["tier"],
+                                    registry=r)
+        self.chunks = Gauge("kvtier_chunks", "Chunks held by a tier", ["tier"], registry=r)
+        self.evictions = Counter("kvtier_evictions", "Chunks evicted, by cause",
+                                 ["tier", "cause"], registry=r)
+        self.admission_refusals = Counter(
+            "kvtier_admission_refusals", "Chunks not written to a tier, by reason",
+            ["tier", "reason"], registry=r)
+        self.checksum_failures = Counter(
+            "kvtier_checksum_failures", "Chunks that failed verification (quarantined)",
+            ["tier"], registry=r)
+        self.store_refusals = Counter(
+            "kvtier_store_refusals", "Reservations refused, by reason", ["reason"], registry=r)
+        self.leases_active = Gauge("kvtier_leases_active", "Open leases", registry=r)
+        self.leases_expired = Counter("kvtier_leases_expired", "Leases and reservations "
+                                      "dropped because their client died or timed out",
+                                      ["kind"], registry=r)
+        self.op_seconds = Histogram("kvtier_request_seconds", "Server time per request",
+                                    ["op"], buckets=_OP_BUCKETS, registry=r)
+        self.protocol_errors = Counter("kvtier_protocol_errors",
+                                       "Malformed or oversized messages", registry=r)
+        self.clients = Gauge("kvtier_clients", "Connected clients", registry=r)

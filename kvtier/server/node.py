@@ -1,0 +1,202 @@
+"""The node server: a unix control socket, the store, housekeeping and /metrics.
+
+One runs per node (``kvtier server --config FILE``) or inside another process as threads
+(:class:`NodeServer` ``.start()``, the embedded mode used by single-engine setups and tests).
+The socket and its folder are owner-only; the arena is a 0600 shared-memory file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Any
+
+from kvtier.config import ServerConfig
+from kvtier.errors import ConfigError, ProtocolError
+from kvtier.metrics import StoreMetrics
+from kvtier.protocol import Error, decode_request, encode, read_frame
+from kvtier.server.service import Service
+from kvtier.store import TieredStore
+
+log = logging.getLogger("kvtier.server")
+HOUSEKEEPING_S = 0.5
+
+
+class NodeServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.socket_path = config.socket_path
+        self.metrics = StoreMetrics()
+        self.arena_name = config.arena.name or f"kvtier-{os.getuid()}-{secrets.token_hex(6)}"
+        self.store: TieredStore | None = None
+        self.service: Service | None = None
+        self.metrics_port: int | None = None
+        self._listener: socket.socket | None = None
+        self._conns: dict[int, socket.socket] = {}
+        self._conn_ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._http: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> NodeServer:
+        """Bind, build the store, index lower tiers and start serving in threads."""
+        self._listener = self._bind()
+        try:
+            self.store = TieredStore(self.config, arena_name=self.arena_name,
+                                     metrics=self.metrics)
+            self.store.rebuild()
+            self.service = Service(self.store, self.config.access_log)
+            self._start_metrics()
+        except BaseException:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            if self.store is not None:
+                self.store.close(drain_s=0)
+            raise
+        self._spawn(self._accept_loop, "kvtier-accept")
+        self._spawn(self._housekeeping, "kvtier-housekeeping")
+        log.info("kvtier server listening on %s, arena %s (%d slots of %d bytes)",
+                 self.socket_path, self.arena_name, self.config.arena.num_slots,
+                 self.config.arena.slot_bytes)
+        return self
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until stop() is called; True if it was."""
+        return self._stop.wait(timeout_s)
+
+    def stop(self, drain_s: float = 10.0) -> None:
+        """Stop accepting, disconnect clients, drain writes in flight, free the arena."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self._http is not None:
+            self._http.shutdown()
+        if self.service is not None:
+            self.service.close()
+        if self.store is not None:
+            self.store.close(drain_s)
+        log.info("kvtier server stopped")
+
+    def __enter__(self) -> NodeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ socket
+
+    def _bind(self) -> socket.socket:
+        folder = os.path.dirname(os.path.abspath(self.socket_path))
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if os.path.exists(self.socket_path):
+            if _is_live(self.socket_path):
+                raise ConfigError(f"socket_path {self.socket_path}: a server is already "
+                                  "listening there")
+            os.unlink(self.socket_path)  # left by a server that died
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(self.socket_path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        listener.listen(64)
+        return listener
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                break
+            conn_id = next(self._conn_ids)
+            self._conns[conn_id] = conn
+            self.metrics.clients.set(len(self._conns))
+            threading.Thread(target=self._serve, args=(conn, conn_id), daemon=True,
+                             name=f"kvtier-conn-{conn_id}").start()
+
+    def _serve(self, conn: socket.socket, conn_id: int) -> None:
+        assert self.service is not None and self.store is not None
+        limit = self.config.max_message_bytes
+        try:
+            while not self._stop.is_set():
+                body = read_frame(conn, limit)
+                if body is None:
+                    break
+                reply = self.service.handle(conn_id, decode_request(body))
+                conn.sendall(encode(reply))
+        except ProtocolError as exc:
+            self.metrics.protocol_errors.inc()
+            log.warning("client %d sent a bad message, disconnecting: %s", conn_id, exc)
+            with contextlib.suppress(OSError):
+                conn.sendall(encode(Error("protocol", str(exc))))
+        except OSError:
+            pass  # the client went away mid-message; its leases are dropped below
+        finally:
+            self._conns.pop(conn_id, None)
+            self.metrics.clients.set(len(self._conns))
+            self.store.drop_owner(conn_id)
+            conn.close()
+
+    # ------------------------------------------------------------------ background
+
+    def _housekeeping(self) -> None:
+        assert self.store is not None
+        while not self._stop.wait(HOUSEKEEPING_S):
+            try:
+                self.store.expire()
+            except Exception:  # keep the server alive; the next round retries
+                log.exception("housekeeping failed")
+
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port is None:
+            return
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(self.config.metrics_port,
+                                            addr=self.config.metrics_host,
+                                            registry=self.metrics.registry)
+        self._http = server
+        self.metrics_port = server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
+
+    def _spawn(self, target: Any, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+
+def _is_live(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+EmbeddedServer = NodeServer
+"""The same server, started inside another process with ``.start()``."""
