@@ -76,7 +76,7 @@ def _admission(value: object, where: str) -> tuple[tuple[str, int], ...]:
 def _eviction(value: object, where: str) -> str:
     from kvtier.policies import EVICTION
 
-    if value not in EVICTION:
+    if not isinstance(value, str) or value not in EVICTION:
         raise ConfigError(f"{where}: unknown eviction policy {value!r}; allowed: {list(EVICTION)}")
     return str(value)
 

@@ -114,7 +114,7 @@ def chunk_keys(
     if start and parent is None:
         raise ValueError("resuming a chain at start > 0 needs the parent key")
     keys: list[ChunkKey] = []
-    raw = memoryview(np.ascontiguousarray(arr[: count * chunk_tokens])).cast("B")
+    raw = np.ascontiguousarray(arr[: count * chunk_tokens]).data.cast("B")
     step = chunk_tokens * 4
     for i in range(start, count):
         h = hashlib.sha256(prev)

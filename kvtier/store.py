@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable, Sequence
 from kvtier.codec import HEADER_SIZE, seal, stored_size, verify
 from kvtier.config import ServerConfig
 from kvtier.entry import Entry, ItemState, LeaseItem, LeaseRecord, Where
-from kvtier.errors import CorruptChunkError, IntegrityError, TierError
+from kvtier.errors import ConfigError, CorruptChunkError, IntegrityError, TierError
 from kvtier.keys import ChunkKey
 from kvtier.lower import TierState
 from kvtier.metrics import StoreMetrics
@@ -48,7 +48,7 @@ class TieredStore:
         ac = config.arena
         self.arena = Arena(arena_name, ac.num_slots, ac.slot_bytes, prefault=ac.prefault)
         self.policy: EvictionPolicy[Hashable] = make_eviction(ac.eviction, ac.num_slots)
-        self.tiers = [TierState(tc, ac.slot_bytes) for tc in config.tiers]
+        self.tiers = [self._tier(i, ac.slot_bytes) for i in range(len(config.tiers))]
         self.entries: dict[ChunkKey, Entry] = {}
         self.leases: dict[int, LeaseRecord] = {}
         self._lease_ids = itertools.count(1)
@@ -60,6 +60,12 @@ class TieredStore:
         self._set_gauges()
 
     # ------------------------------------------------------------------ startup
+
+    def _tier(self, index: int, chunk_bytes: int) -> TierState:
+        try:
+            return TierState(self.config.tiers[index], chunk_bytes)
+        except ConfigError as exc:
+            raise ConfigError(f"tiers[{index}]: {exc}") from exc
 
     def rebuild(self) -> int:
         """Index what the lower tiers already hold (after a restart). Returns chunk count."""

@@ -176,7 +176,7 @@ class AdmissionPolicy(ABC):
     def __init__(self, param: int) -> None:
         self.param = param
 
-    def record(self, key: bytes) -> None:
+    def record(self, key: bytes) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """A use of ``key`` (stored or hit in the tier above). Default: not needed."""
 
     @abstractmethod

@@ -53,7 +53,14 @@ class ArenaMapping:
         size = num_slots * slot_bytes
         path = shm_path(name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError as exc:
+            raise ConfigError(f"arena {name!r} already exists in {SHM_DIR}: another server "
+                              "uses that name, or a dead one left it (remove the file)") from exc
+        except FileNotFoundError as exc:
+            raise ConfigError(f"arena {name!r} does not exist in {SHM_DIR}: is the server "
+                              "running?") from exc
         try:
             if create:
                 os.ftruncate(fd, size)

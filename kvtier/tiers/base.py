@@ -84,5 +84,5 @@ class LowerTier(ABC):
         """Static facts for the admin view and logs (never secrets)."""
         return {"type": self.config.type, "name": self.name}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, a no-op unless overridden
         """Release resources; the tier is not used afterwards."""
