@@ -10,7 +10,8 @@ order. Every lower-tier hit is staged through the arena. The operations clients 
   the two-phase load. A leased or in-flight slot is never evicted or reused.
 - ``expire``/``drop_owner``: leases and reservations die with their client or after the TTL.
 
-All bookkeeping happens under one lock; payload I/O runs on each tier's thread pool and
+Admission rules of lower tiers see one use per chunk per request: a leased hit or an offer
+to ``reserve`` (granted or not). All bookkeeping happens under one lock; payload I/O runs on each tier's thread pool and
 reports back through ``_write_done``/``_promote_done``. Expected outcomes (a miss, no room,
 a refused admission) are return values; ``check_integrity()`` raises IntegrityError when the
 books disagree.
@@ -54,7 +55,10 @@ class TieredStore:
         self._lease_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._free_target = int(ac.free_target * ac.num_slots)
+        # Free slots ahead of need only pays when freeing means a write (write-back);
+        # clean chunks are evicted on demand at no cost.
+        write_back = any(t.write_back for t in self.tiers)
+        self._free_target = int(ac.free_target * ac.num_slots) if write_back else 0
         self._demoting = 0
         self._closed = False
         self._set_gauges()
@@ -131,6 +135,7 @@ class TieredStore:
         slots: list[int | None] = []
         with self._lock:
             for i, key in enumerate(keys):
+                self._record_use(key)
                 entry = self.entries.get(key)
                 if entry is not None and entry.where is not Where.ABSENT:
                     if entry.where is Where.READY:
@@ -165,7 +170,6 @@ class TieredStore:
                 self.arena.publish(entry.slot)
                 entry.where, entry.owner = Where.READY, None
                 self.policy.insert(key, entry.priority)
-                self._record_use(key)
                 self._write_through(entry)
                 count += 1
             self._maintain_free()
