@@ -35,6 +35,9 @@ def parse_size(value: object, where: str = "size") -> int:
     """Bytes from an int or a string such as ``"4GiB"``, ``"512MiB"``, ``"1.5GB"``."""
     if isinstance(value, bool):
         raise ConfigError(f"{where}: expected a size such as 4GiB or 1048576, got {value!r}")
+    if isinstance(value, float):
+        raise ConfigError(f"{where}: a byte count must be a whole number or a string such "
+                          f"as 4GiB, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{where}: a size cannot be negative, got {value}")
@@ -45,7 +48,10 @@ def parse_size(value: object, where: str = "size") -> int:
         raise ConfigError(
             f"{where}: expected a size such as 4GiB, 512MiB, 2GB or a byte count, got {value!r}"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1))
+    if unit in ("", "b") and not number.is_integer():
+        raise ConfigError(f"{where}: a byte count must be a whole number, got {value!r}")
+    return int(number * _UNITS[unit])
 
 
 def _size(default: int | None = None, **kw: Any) -> Any:

@@ -53,7 +53,7 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     format_version: int = FORMAT_VERSION
-    extra: Mapping[str, str] = field(default_factory=dict)
+    extra: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "chunk_tokens"):

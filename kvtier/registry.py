@@ -33,6 +33,8 @@ class Registry(Generic[T], Mapping[str, type[T]]):
 
     def register(self, name: str, target: str, *, install_hint: str | None = None) -> None:
         """Register ``name`` as the dotted path ``"pkg.module:Class"``."""
+        if ":" not in target:
+            raise ValueError(f"{self.kind} {name!r}: target must look like 'pkg.module:Class'")
         self._add(name, _Entry(target, install_hint))
 
     def add(self, name: str) -> Callable[[type[T]], type[T]]:
@@ -69,7 +71,12 @@ class Registry(Generic[T], Mapping[str, type[T]]):
             raise BackendUnavailableError(
                 f"{self.kind} {name!r} needs a package that is missing ({exc}){hint}"
             ) from exc
-        return getattr(module, attr)
+        try:
+            return getattr(module, attr)
+        except AttributeError as exc:
+            raise BackendUnavailableError(
+                f"{self.kind} {name!r}: module {module_name} has no attribute {attr!r}"
+            ) from exc
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._entries))

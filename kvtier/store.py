@@ -11,10 +11,12 @@ order. Every lower-tier hit is staged through the arena. The operations clients 
 - ``expire``/``drop_owner``: leases and reservations die with their client or after the TTL.
 
 Admission rules of lower tiers see one use per chunk per request: a leased hit or an offer
-to ``reserve`` (granted or not). All bookkeeping happens under one lock; payload I/O runs on each tier's thread pool and
+to ``reserve`` (granted or not).
+
+All bookkeeping happens under one lock; payload I/O runs on each tier's thread pool and
 reports back through ``_write_done``/``_promote_done``. Expected outcomes (a miss, no room,
-a refused admission) are return values; ``check_integrity()`` raises IntegrityError when the
-books disagree.
+a refused admission) are return values; ``check_integrity()`` raises IntegrityError when
+the books disagree.
 """
 
 from __future__ import annotations
@@ -75,12 +77,16 @@ class TieredStore:
         """Index what the lower tiers already hold (after a restart). Returns chunk count."""
         count = 0
         for state in self.tiers:
-            found = sorted(state.tier.scan(), key=lambda c: c.mtime)
+            found = sorted(state.tier.scan(), key=lambda c: c.mtime, reverse=True)
+            room, kept = state.capacity - state.used, []
+            for chunk in found:  # the newest fill the tier; if it shrank, the oldest go
+                if chunk.size > room:
+                    state.executor.submit(state.tier.delete, chunk.key)
+                    continue
+                room -= chunk.size
+                kept.append(chunk)
             with self._lock:
-                for chunk in found:
-                    if chunk.size > state.capacity - state.used:
-                        state.executor.submit(state.tier.delete, chunk.key)
-                        continue
+                for chunk in reversed(kept):  # oldest first, as the eviction policy orders
                     state.added(chunk.key, chunk.size, 0, chunk.priority)
                     entry = self.entries.setdefault(chunk.key, Entry(chunk.key, chunk.priority))
                     entry.lower.add(state.name)
@@ -215,7 +221,8 @@ class TieredStore:
             victims = self.policy.evict(1, self._pinned)
             if not victims:
                 return None
-            self._evict_from_arena(ChunkKey(victims[0]))  # type: ignore[arg-type]
+            if not self._evict_from_arena(ChunkKey(victims[0])):  # type: ignore[arg-type]
+                return None  # written back first: one victim per slot, not the whole arena
             slot = self.arena.alloc()
         return slot
 
@@ -224,8 +231,11 @@ class TieredStore:
         assert entry.slot is not None
         return bool(self.arena.leases[entry.slot]) or bool(entry.writing)
 
-    def _evict_from_arena(self, key: ChunkKey) -> None:
-        """``key`` left the arena policy: write it back below if wanted, else free it."""
+    def _evict_from_arena(self, key: ChunkKey) -> bool:
+        """``key`` left the arena policy: write it back below if wanted, else free it.
+
+        Returns whether its slot is free now (a write-back frees it when the write is done).
+        """
         entry = self.entries[key]
         self.metrics.evictions.labels(ARENA, "capacity").inc()
         targets = [s for s in self.tiers if s.write_back and self._wants(s, entry)]
@@ -234,6 +244,7 @@ class TieredStore:
             self._submit_write(entry, targets, evicting=True)
         else:
             self._drop_slot(entry)
+        return entry.slot is None
 
     def _maintain_free(self) -> None:
         """Keep ``free_target`` slots free or on their way to free (write-back ahead)."""

@@ -26,7 +26,8 @@ def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout_s: float
         if path.exists():
             return
         if proc.poll() is not None:
-            raise AssertionError(f"server exited early: {proc.stderr.read() if proc.stderr else ''}")
+            err = proc.stderr.read() if proc.stderr else b""
+            raise AssertionError(f"server exited early: {err!r}")
         time.sleep(0.05)
     raise AssertionError("server socket never appeared")
 
@@ -38,7 +39,8 @@ def config_file(tmp_path: Path) -> Path:
     path.write_text(
         f"socket_path: {tmp_path / 'run' / 'kvtier.sock'}\n"
         f"arena: {{size_bytes: 4MiB, slot_bytes: 16KiB, name: {name}}}\n"
-        f"tiers:\n  - {{type: disk, capacity_bytes: 8MiB, options: {{path: {tmp_path / 'disk'}}}}}\n"
+        "tiers:\n"
+        f"  - {{type: disk, capacity_bytes: 8MiB, options: {{path: {tmp_path / 'disk'}}}}}\n"
         "log_format: text\n"
     )
     return path

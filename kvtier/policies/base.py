@@ -109,8 +109,9 @@ class EvictionPolicy(Generic[K]):
 
     def set_priority(self, key: K, priority: int) -> None:
         """Move a tracked key to another priority (it counts as a hit there)."""
+        priority = check_priority(priority)
         old = self._priority.get(key)
-        if old is None or old == check_priority(priority):
+        if old is None or old == priority:
             return
         self._buckets[old].remove(key)
         self._bucket(priority).insert(key)
