@@ -52,6 +52,7 @@ class TieredStore:
         self.arena = Arena(arena_name, ac.num_slots, ac.slot_bytes, prefault=ac.prefault)
         self.policy: EvictionPolicy[Hashable] = make_eviction(ac.eviction, ac.num_slots)
         self.tiers = [self._tier(i, ac.slot_bytes) for i in range(len(config.tiers))]
+        self.tiers_by_name = {state.name: state for state in self.tiers}
         self.entries: dict[ChunkKey, Entry] = {}
         self.leases: dict[int, LeaseRecord] = {}
         self._lease_ids = itertools.count(1)
@@ -146,6 +147,7 @@ class TieredStore:
                 if entry is not None and entry.where is not Where.ABSENT:
                     if entry.where is Where.READY:
                         self.policy.touch(key)
+                        self._write_through(entry)
                     self.metrics.store_refusals.labels("present").inc()
                     slots.append(None)
                     continue
@@ -165,10 +167,13 @@ class TieredStore:
         return slots
 
     def commit(self, keys: Sequence[ChunkKey]) -> int:
-        """Publish reserved chunks; returns how many were committed."""
+        """Publish reserved chunks; returns how many were committed.
+
+        Chunks are inserted tail first, so the head of a prefix is the most recently used.
+        """
         count = 0
         with self._lock:
-            for key in keys:
+            for key in reversed(keys):
                 entry = self.entries.get(key)
                 if entry is None or entry.where is not Where.RESERVED:
                     continue
@@ -229,7 +234,8 @@ class TieredStore:
     def _pinned(self, key: Hashable) -> bool:
         entry = self.entries[ChunkKey(key)]  # type: ignore[arg-type]
         assert entry.slot is not None
-        return bool(self.arena.leases[entry.slot]) or bool(entry.writing)
+        return (bool(self.arena.leases[entry.slot]) or bool(entry.writing)
+                or entry.where is Where.PROMOTING)
 
     def _evict_from_arena(self, key: ChunkKey) -> bool:
         """``key`` left the arena policy: write it back below if wanted, else free it.
@@ -307,7 +313,7 @@ class TieredStore:
                  entry.priority)
             entry.sealed = True
         data = view[:size]
-        for state in targets:
+        for i, state in enumerate(targets):
             start = time.perf_counter()
             ok = False
             try:
@@ -319,9 +325,9 @@ class TieredStore:
             elapsed = time.perf_counter() - start
             with self._lock:
                 self._write_done(entry, state, size, written if ok else None, elapsed)
-        if evicting:
-            with self._lock:
-                self._demoted(entry)
+                if evicting and i == len(targets) - 1:
+                    # Same critical section: nobody sees it READY, written and untracked.
+                    self._demoted(entry)
         view.release()
 
     def _write_done(self, entry: Entry, state: TierState, promised: int, written: int | None,
@@ -355,15 +361,34 @@ class TieredStore:
     # ------------------------------------------------------------------ load
 
     def lease(self, owner: int, keys: Sequence[ChunkKey]) -> LeaseRecord:
-        """Lease the longest available prefix of ``keys``; promote lower-tier chunks."""
+        """Lease the longest available prefix of ``keys``; promote lower-tier chunks.
+
+        In this order, so that the same requests always leave the same state::
+
+            1 uses       every chunk of the prefix is one use for admission below
+            2 pin        arena chunks of the prefix are leased (cannot be evicted)
+            3 slots      lower-tier chunks get slots head first; eviction never takes a
+                         chunk of this prefix; no slot -> the lease ends before that chunk
+            4 recency    tail first: arena chunks touched, promoted chunks inserted, so the
+                         head of a prefix is the most recent (a prefix is useful from its head)
+            5 I/O        promotions are read in the background; ``wait`` reports them
+        """
         with self._lock:
-            items: list[LeaseItem] = []
-            for key in keys:
-                item = self._lease_one(key)
-                if item is None:
-                    break
-                items.append(item)
-                self._record_use(key)
+            prefix = self._available_prefix(keys)
+            for entry in prefix:
+                self._record_use(entry.key)
+            pinned: dict[ChunkKey, LeaseItem] = {}
+            for entry in prefix:
+                if entry.where is Where.READY:
+                    assert entry.slot is not None
+                    self.arena.lease(entry.slot)
+                    pinned[entry.key] = LeaseItem(entry.key, entry.slot, ARENA, ItemState.READY)
+            items, started = self._lease_items(prefix, pinned)
+            for item in reversed(items):
+                self._touch_leased(self.entries[item.key], item)
+            for entry, state in started:
+                assert entry.slot is not None
+                state.executor.submit(self._promote_job, entry, state, entry.slot)
             record = LeaseRecord(next(self._lease_ids), owner,
                                  self.clock() + self.config.lease_ttl_s, items)
             self.leases[record.lease_id] = record
@@ -372,20 +397,39 @@ class TieredStore:
             self.metrics.hits.labels(item.tier).inc()
         return record
 
-    def _lease_one(self, key: ChunkKey) -> LeaseItem | None:
-        entry = self.entries.get(key)
-        if entry is None:
-            return None
-        if entry.where is Where.READY:
-            assert entry.slot is not None
-            self.arena.lease(entry.slot)
-            self.policy.touch(key)
-            return LeaseItem(key, entry.slot, ARENA, ItemState.READY)
-        if entry.where is Where.PROMOTING:
+    def _available_prefix(self, keys: Sequence[ChunkKey]) -> list[Entry]:
+        prefix: list[Entry] = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or not (entry.where in (Where.READY, Where.PROMOTING)
+                                     or (entry.where is Where.ABSENT and entry.lower)):
+                break
+            prefix.append(entry)
+        return prefix
+
+    def _lease_items(self, prefix: list[Entry], pinned: dict[ChunkKey, LeaseItem]
+                     ) -> tuple[list[LeaseItem], list[tuple[Entry, TierState]]]:
+        """Items for the prefix, head first, with slots for the promotions they need."""
+        items: list[LeaseItem] = []
+        started: list[tuple[Entry, TierState]] = []
+        for entry in prefix:
+            item = pinned.get(entry.key)
+            if item is None:
+                item = self._start_promotion(entry, started)
+            if item is None:
+                for rest in prefix[len(items):]:  # the prefix ends here: unpin the tail
+                    tail = pinned.get(rest.key)
+                    if tail is not None:
+                        self.arena.unlease(tail.slot)
+                break
+            items.append(item)
+        return items, started
+
+    def _start_promotion(self, entry: Entry, started: list[tuple[Entry, TierState]]
+                         ) -> LeaseItem | None:
+        if entry.where is Where.PROMOTING:  # another lease is already reading it in
             assert entry.slot is not None and entry.reading is not None
-            return LeaseItem(key, entry.slot, entry.reading, ItemState.PENDING)
-        if entry.where is not Where.ABSENT:
-            return None  # still being written by its client
+            return LeaseItem(entry.key, entry.slot, entry.reading, ItemState.PENDING)
         state = next((s for s in self.tiers if s.name in entry.lower), None)
         if state is None:
             return None
@@ -393,10 +437,19 @@ class TieredStore:
         if slot is None:
             self.metrics.store_refusals.labels("arena_full_promote").inc()
             return None
-        state.policy.touch(key)
         entry.where, entry.slot, entry.reading = Where.PROMOTING, slot, state.name
-        state.executor.submit(self._promote_job, entry, state, slot)
-        return LeaseItem(key, slot, state.name, ItemState.PENDING)
+        started.append((entry, state))
+        return LeaseItem(entry.key, slot, state.name, ItemState.PENDING)
+
+    def _touch_leased(self, entry: Entry, item: LeaseItem) -> None:
+        if item.tier == ARENA:
+            self.policy.touch(entry.key)
+            self._write_through(entry)
+        elif entry.key in self.policy:
+            self.policy.touch(entry.key)  # joined a promotion already under way
+        else:
+            self.tiers_by_name[item.tier].policy.touch(entry.key)
+            self.policy.insert(entry.key, entry.priority)
 
     def _promote_job(self, entry: Entry, state: TierState, slot: int) -> None:
         view = self.arena.slot(slot)
@@ -438,12 +491,12 @@ class TieredStore:
                    if item.key == entry.key and item.state is ItemState.PENDING]
         if ok:
             self.arena.publish(entry.slot)
-            entry.where = Where.READY
-            self.policy.insert(entry.key, entry.priority)
+            entry.where = Where.READY  # already in the arena policy since its lease
             for item in waiting:
                 self.arena.lease(entry.slot)
                 item.state = ItemState.READY
         else:
+            self.policy.remove(entry.key)
             state.forget(entry.key)
             entry.lower.discard(state.name)
             for item in waiting:
@@ -588,7 +641,8 @@ class TieredStore:
                 if e.slot in slots:
                     raise IntegrityError(f"slot {e.slot} belongs to two chunks")
                 slots[e.slot] = key
-            if (e.where is Where.READY) != (key in self.policy) and not self._in_demotion(e):
+            in_arena = e.where in (Where.READY, Where.PROMOTING)
+            if in_arena != (key in self.policy) and not self._in_demotion(e):
                 raise IntegrityError(f"entry {key.hex()[:16]} and arena policy disagree")
             for state in self.tiers:
                 if (state.name in e.lower) != (key in state):
