@@ -38,6 +38,9 @@ class TierState:
         self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, entries)
         self.admission = make_admission(config.admission)
         self.sizes: dict[ChunkKey, int] = {}
+        self.deleting: set[ChunkKey] = set()
+        """Keys whose delete is queued; not written again until it ran (the tier contract:
+        never a write and a delete of one key at once)."""
         self.used = 0
         self.reserved = 0
         self.executor = ThreadPoolExecutor(config.io_threads,

@@ -82,7 +82,8 @@ class TieredStore:
             room, kept = state.capacity - state.used, []
             for chunk in found:  # the newest fill the tier; if it shrank, the oldest go
                 if chunk.size > room:
-                    state.executor.submit(state.tier.delete, chunk.key)
+                    state.deleting.add(chunk.key)
+                    state.executor.submit(self._delete_job, state, chunk.key)
                     continue
                 room -= chunk.size
                 kept.append(chunk)
@@ -207,8 +208,8 @@ class TieredStore:
             self._submit_write(entry, targets)
 
     def _wants(self, state: TierState, entry: Entry) -> bool:
-        if entry.key in state or state.name in entry.writing:
-            return False
+        if entry.key in state or entry.key in state.deleting or state.name in entry.writing:
+            return False  # held, or its delete is queued: a write racing it could be lost
         if not state.admits(entry.key, entry.priority, entry.prefix_tokens):
             self.metrics.admission_refusals.labels(state.name, "policy").inc()
             return False
@@ -303,6 +304,7 @@ class TieredStore:
             entry.lower.discard(state.name)
             if entry.where is Where.ABSENT and not entry.lower and not entry.writing:
                 del self.entries[key]
+        state.deleting.add(key)
         state.executor.submit(self._delete_job, state, key)
 
     def _write_job(self, entry: Entry, slot: int, targets: list[TierState], size: int,
@@ -345,8 +347,9 @@ class TieredStore:
     def _demoted(self, entry: Entry) -> None:
         self._demoting -= 1
         assert entry.slot is not None
-        if self.arena.leases[entry.slot]:
-            self.policy.insert(entry.key, entry.priority)  # hot again while it was written
+        if self.arena.leases[entry.slot] or entry.writing:
+            # hot again while it was written, or a copy to another tier still reads the slot
+            self.policy.insert(entry.key, entry.priority)
         else:
             self._drop_slot(entry)
         self._changed.notify_all()
@@ -357,6 +360,10 @@ class TieredStore:
         except TierError as exc:
             log.warning("delete from %s failed: %s", state.name, exc)
             self.metrics.io_errors.labels(state.name, "delete").inc()
+        finally:
+            with self._lock:
+                state.deleting.discard(key)
+                self._changed.notify_all()
 
     # ------------------------------------------------------------------ load
 
@@ -365,18 +372,16 @@ class TieredStore:
 
         In this order, so that the same requests always leave the same state::
 
-            1 uses       every chunk of the prefix is one use for admission below
-            2 pin        arena chunks of the prefix are leased (cannot be evicted)
-            3 slots      lower-tier chunks get slots head first; eviction never takes a
+            1 pin        arena chunks of the prefix are leased (cannot be evicted)
+            2 slots      lower-tier chunks get slots head first; eviction never takes a
                          chunk of this prefix; no slot -> the lease ends before that chunk
+            3 uses       every leased chunk is one use for admission below
             4 recency    tail first: arena chunks touched, promoted chunks inserted, so the
                          head of a prefix is the most recent (a prefix is useful from its head)
             5 I/O        promotions are read in the background; ``wait`` reports them
         """
         with self._lock:
             prefix = self._available_prefix(keys)
-            for entry in prefix:
-                self._record_use(entry.key)
             pinned: dict[ChunkKey, LeaseItem] = {}
             for entry in prefix:
                 if entry.where is Where.READY:
@@ -384,6 +389,8 @@ class TieredStore:
                     self.arena.lease(entry.slot)
                     pinned[entry.key] = LeaseItem(entry.key, entry.slot, ARENA, ItemState.READY)
             items, started = self._lease_items(prefix, pinned)
+            for item in items:  # a chunk cut off the lease is offered to reserve instead
+                self._record_use(item.key)
             for item in reversed(items):
                 self._touch_leased(self.entries[item.key], item)
             for entry, state in started:
@@ -602,10 +609,11 @@ class TieredStore:
             m.chunks.labels(s.name).set(len(s.sizes))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no lower-tier write or promotion is in flight. True if drained."""
+        """Wait until no lower-tier write, delete or promotion is in flight. True if drained."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while any(e.writing or e.reading for e in self.entries.values()):
+            while (any(e.writing or e.reading for e in self.entries.values())
+                   or any(state.deleting for state in self.tiers)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

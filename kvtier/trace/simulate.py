@@ -1,0 +1,404 @@
+"""Replay a trace through the store's tier rules and the very policy classes it runs.
+
+Metadata only: a tier is an :class:`~kvtier.policies.EvictionPolicy` (which also serves as
+its index), a capacity in chunks, admission rules and a write policy. One trace block is one
+chunk at the default priority (35). Per request with blocks ``b0 .. bn-1``, in the steps of
+:class:`~kvtier.store.TieredStore` an engine makes (``lease``, ``reserve``, ``commit``)::
+
+    1 lookup   the prefix is b0, b1, ... while each block is in some tier; each is one
+               admission use; its host blocks are leased. Head first, each lower-tier block
+               needs a host slot; none -> the prefix ends before it. Then tail first:
+                 in host         -> touch it (a host hit); copy it down (below)
+                 in a lower tier -> touch it in the first lower tier holding it (a hit
+                                    there) and insert it into host
+    2 reserve  each later block, head first: one admission use; in host -> touch it and
+               copy it down; else a host slot for it (slots this reserve holds count and
+               are never taken back), or it is skipped
+    3 commit   the reserved blocks, tail first: insert into host, copy down; then, with a
+               write-back tier, evict ahead until ``free_target`` of host is free or
+               coming free
+
+    copy down  to each write-through lower tier that lacks the chunk and admits it
+    host slot  a free one, else evict one victim that is neither leased nor being copied
+               down. A victim goes down to each write-back tier that lacks and admits it,
+               and then keeps its slot until the copy is written: no slot this time
+    room below a full lower tier evicts one victim at a time, never a chunk the lookup
+               is promoting from it
+
+Tail first because a prefix is useful only from its head: within a step the head ends most
+recent and the tail leaves first. The store's lower-tier I/O runs on its threads after the
+step that started it; here it completes when that step ends. Until then a copy holds room in
+its tier but cannot be evicted or touched there, a chunk evicted from a lower tier is not
+written to it again (its delete is queued), and a write-back victim holds its host slot.
+``tests/trace/test_trace_store_agreement.py`` replays traces through this and through a live
+store, flushed after each step, and compares them request by request.
+
+So every block is one admission use per request (two where a lookup that found it had to
+end before it). Hits are counted per tier that served them; :mod:`kvtier.trace.hits` turns
+them into ratios.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from kvtier.config import ArenaConfig
+from kvtier.errors import ConfigError
+from kvtier.policies import (
+    DEFAULT_PRIORITY,
+    AdmissionContext,
+    AdmissionPolicy,
+    EvictionPolicy,
+    admits,
+    make_admission,
+    make_eviction,
+)
+from kvtier.trace.formats import BlockId, Request
+from kvtier.trace.hits import HitCounts
+from kvtier.trace.results import SimResult, TierResult
+
+HOST = "host"
+UNBOUNDED_POLICY_CAPACITY = 1 << 40
+"""What an ``inf`` tier tells its policy: ghost lists sized from it never fill."""
+WritePolicy = Literal["through", "back"]
+DEFAULT_FREE_TARGET = ArenaConfig.free_target
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One simulated tier; ``capacity`` is in chunks, ``None`` for unbounded."""
+
+    name: str
+    capacity: int | None
+    eviction: str = "lru"
+    admission: tuple[tuple[str, int], ...] = ()
+    write: WritePolicy = "through"
+    free_target: float = DEFAULT_FREE_TARGET
+    """Host only, with a write-back lower tier: the share of host slots each commit frees
+    ahead (the store's ``arena.free_target``)."""
+
+    def __post_init__(self) -> None:
+        if self.capacity is not None and self.capacity < 0:
+            raise ConfigError(f"tier {self.name}: capacity cannot be negative")
+        if self.write not in ("through", "back"):
+            raise ConfigError(f"tier {self.name}: write policy must be through or back")
+        if not 0.0 <= self.free_target < 1.0:
+            raise ConfigError(f"tier {self.name}: free_target must be in [0, 1)")
+
+
+@dataclass
+class _Tier:
+    spec: TierSpec
+    policy: EvictionPolicy[Hashable]
+    rules: list[AdmissionPolicy]
+    records: bool
+    """True when some rule counts uses (the base ``record`` is a no-op we may skip)."""
+    hits: int = 0
+    written: int = 0
+    evictions: int = 0
+    writing: dict[Hashable, None] = field(default_factory=dict)
+    """Copies the current operation started, in order; they land when it ends."""
+    deleting: set[Hashable] = field(default_factory=set)
+    """Chunks the current operation evicted from this lower tier: not written again until
+    their delete has run, when the operation ends (the store's ``TierState.deleting``)."""
+
+    @classmethod
+    def build(cls, spec: TierSpec) -> _Tier:
+        capacity = spec.capacity if spec.capacity is not None else UNBOUNDED_POLICY_CAPACITY
+        rules = make_admission(spec.admission)
+        records = any(type(r).record is not AdmissionPolicy.record for r in rules)
+        return cls(spec, make_eviction(spec.eviction, capacity), rules, records)
+
+
+@dataclass
+class _Lease:
+    """What eviction must skip during one operation (a lookup, a reserve, a commit).
+
+    Host chunks leased by the lookup or with a copy to a lower tier under way stay put; a
+    chunk being promoted is also kept in the tier it is read from. The store protects
+    exactly these (arena leases, ``writing``, ``reading``).
+    """
+
+    held: set[Hashable] = field(default_factory=set)
+    reading: dict[Hashable, _Tier] = field(default_factory=dict)
+    """Each chunk being promoted, with the lower tier it is read from."""
+
+
+def admission_key(block: Hashable) -> bytes:
+    """The bytes admission rules see: access-log ids as they are, Mooncake ints as 8 bytes."""
+    if isinstance(block, bytes):
+        return block
+    if isinstance(block, int):
+        return (block & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big")
+    raise TypeError(f"block ids are ints or bytes, got {type(block).__name__}")
+
+
+class Simulator:
+    """The tiers of one store configuration, replayed request by request."""
+
+    def __init__(
+        self, specs: Sequence[TierSpec], block_tokens: int, block_bytes: int | None = None
+    ) -> None:
+        if not specs or specs[0].name != HOST:
+            raise ConfigError("the first tier must be host (the arena)")
+        if len({s.name for s in specs}) != len(specs):
+            raise ConfigError("tier names must be unique")
+        self.block_tokens = block_tokens
+        self.block_bytes = block_bytes
+        self.tiers = [_Tier.build(s) for s in specs]
+        self.host = self.tiers[0]
+        self.lower = self.tiers[1:]
+        self.through = [t for t in self.lower if t.spec.write == "through"]
+        self.back = [t for t in self.lower if t.spec.write == "back"]
+        self.recorders = [t for t in self.lower if t.records]
+        self.counts = HitCounts()
+        self._depth: dict[Hashable, int] = {}
+        """Block index in its request, for write-back admission; kept while in host."""
+        self._demoting: dict[Hashable, bool] = {}
+        """Host victims being written back: their slots are free once the step ends, unless
+        (True) a write-through copy started meanwhile still reads them: then they stay."""
+        capacity = self.host.spec.capacity
+        self._free_target = int(self.host.spec.free_target * capacity) \
+            if self.back and capacity is not None else 0
+
+    def replay(self, requests: Iterable[Request]) -> SimResult:
+        start = time.perf_counter()
+        for request in requests:
+            self.request(request)
+        return self.result(time.perf_counter() - start)
+
+    def request(self, request: Request) -> list[str]:
+        """Replay one request; returns the tier that served each block of its prefix."""
+        served = self._load(request.blocks)
+        self._store(request.blocks, len(served))
+        self.counts.add(request, len(served))
+        return served
+
+    def _load(self, blocks: tuple[BlockId, ...]) -> list[str]:
+        """Serve the present prefix as the store's ``lease`` does: the serving tier of each
+        block, head first."""
+        prefix = self._present_prefix(blocks)
+        host = self.host.policy
+        lease = _Lease(held={b for b in blocks[:prefix] if b in host})
+        sources = lease.reading
+        for j in range(prefix):
+            block = blocks[j]
+            if block in lease.held:
+                continue
+            source = next((t for t in self.lower if block in t.policy), None)
+            if source is None or not self._host_room(lease, pending=len(sources)):
+                prefix = j  # no slot for it: the lease ends before this chunk
+                break
+            sources[block] = source
+        if self.recorders:  # one use per leased chunk (a chunk cut off is offered later)
+            for block in blocks[:prefix]:
+                self._record(block)
+        served = [HOST] * prefix
+        for j in reversed(range(prefix)):  # tail first: the head ends most recent
+            block = blocks[j]
+            source = sources.get(block)
+            if source is None:
+                host.touch(block)
+                self.host.hits += 1
+                self._write_through(block, j, lease)
+            else:
+                source.policy.touch(block)
+                source.hits += 1
+                self._put_host(block, j)
+                served[j] = source.spec.name
+        self._complete_io()
+        return served
+
+    def _present_prefix(self, blocks: tuple[BlockId, ...]) -> int:
+        for j, block in enumerate(blocks):
+            if not any(block in t.policy for t in self.tiers):
+                return j
+        return len(blocks)
+
+    def _store(self, blocks: tuple[BlockId, ...], start: int) -> None:
+        """Blocks after the served prefix were recomputed: ``reserve`` then ``commit``."""
+        host = self.host.policy
+        lease = _Lease()  # nothing is leased now, but chunks being copied down stay put
+        pending: list[int] = []
+        for j in range(start, len(blocks)):
+            block = blocks[j]
+            if self.recorders:
+                self._record(block)
+            if block in host:
+                host.touch(block)
+                self._write_through(block, j, lease)
+            elif block in self._demoting:  # still in its slot, on its way down: servable
+                self._demoting[block] = self._write_through(block, j, lease)
+            elif self._host_room(lease, pending=len(pending)):
+                pending.append(j)
+        self._complete_io()
+        lease = _Lease()  # the reserve's copies have landed
+        for j in reversed(pending):  # commit inserts tail first
+            self._put_host(blocks[j], j)
+            self._write_through(blocks[j], j, lease)
+        self._free_ahead(lease)
+        self._complete_io()
+
+    def _write_through(self, block: Hashable, index: int, lease: _Lease) -> bool:
+        """Copy ``block`` to each write-through tier that lacks and admits it; True if any
+        copy was started."""
+        started = False
+        for tier in self.through:
+            if (self._lacks(tier, block) and self._admits(tier, block, index)
+                    and self._insert(tier, block, lease)):
+                lease.held.add(block)  # its slot is being read: the store pins it
+                started = True
+        return started
+
+    @staticmethod
+    def _lacks(tier: _Tier, block: Hashable) -> bool:
+        """True if a copy of ``block`` may be started: not held, written or being deleted."""
+        return block not in tier.policy and block not in tier.writing \
+            and block not in tier.deleting
+
+    def _complete_io(self) -> None:
+        """The copies the operation started land, in the order it started them, its deletes
+        run and the slots of its write-back victims come free (the store's I/O finishes
+        after the operation that started it)."""
+        for tier in self.lower:
+            if tier.writing:
+                for block in tier.writing:
+                    tier.policy.insert(block, DEFAULT_PRIORITY)
+                tier.writing.clear()
+            tier.deleting.clear()
+        for block, still_read in self._demoting.items():
+            if still_read:  # the store's _demoted: back into the host's eviction order
+                self.host.policy.insert(block, DEFAULT_PRIORITY)
+            else:
+                del self._depth[block]
+        self._demoting.clear()
+
+    def _record(self, block: Hashable) -> None:
+        key = admission_key(block)
+        for tier in self.recorders:
+            for rule in tier.rules:
+                rule.record(key)
+
+    def _put_host(self, block: Hashable, index: int) -> None:
+        self.host.policy.insert(block, DEFAULT_PRIORITY)
+        self.host.written += 1
+        if self.back:
+            self._depth[block] = index
+
+    def _insert(self, tier: _Tier, block: Hashable, lease: _Lease) -> bool:
+        """Start a copy of ``block`` to lower ``tier`` if room can be made for it."""
+        if not self._lower_room(tier, lease):
+            return False
+        tier.writing[block] = None
+        tier.written += 1
+        return True
+
+    def _lower_room(self, tier: _Tier, lease: _Lease) -> bool:
+        """Evict until one more chunk fits beside the copies under way; False (evicting
+        nothing more) if only chunks being promoted from this tier are left."""
+        capacity = tier.spec.capacity
+        if capacity is None:
+            return True
+        protected = _reading_from(tier, lease)
+        while len(tier.policy) + len(tier.writing) >= capacity:
+            victims = tier.policy.evict(1, protected)
+            if not victims:
+                return False
+            tier.evictions += 1
+            tier.deleting.add(victims[0])
+        return True
+
+    def _host_room(self, lease: _Lease, pending: int) -> bool:
+        """A free host slot beside ``pending`` ones held but not inserted yet, evicting one
+        unprotected victim at a time. False if none is left, or if a victim must be written
+        back first: its slot is free only once the copy is written, so the store refuses
+        rather than write back the whole host to find a clean chunk."""
+        capacity = self.host.spec.capacity
+        if capacity is None:
+            return True
+        while len(self.host.policy) + pending + len(self._demoting) >= capacity:
+            if not self._evict_host(lease):
+                return False
+        return True
+
+    def _free_ahead(self, lease: _Lease) -> None:
+        """After a commit, keep ``free_target`` host slots free or coming free."""
+        capacity = self.host.spec.capacity
+        while capacity is not None and capacity - len(self.host.policy) < self._free_target:
+            if not self._evict_host(lease, ahead=True):
+                return
+
+    def _evict_host(self, lease: _Lease, ahead: bool = False) -> bool:
+        """Evict one host victim; True if its slot is free now (or, ``ahead``, if one was
+        evicted at all)."""
+        victims = self.host.policy.evict(1, lease.held.__contains__)
+        if not victims:
+            return False
+        self.host.evictions += 1
+        return not self._demote(victims[0], lease) or ahead
+
+    def _demote(self, block: Hashable, lease: _Lease) -> bool:
+        """Copy a host victim to every write-back tier that lacks and admits it; True if a
+        copy was started (the victim then keeps its slot until the step ends)."""
+        if not self.back:
+            return False
+        index = self._depth[block]
+        started = False
+        for tier in self.back:
+            if self._lacks(tier, block) and self._admits(tier, block, index):
+                started = self._insert(tier, block, lease) or started
+        if started:
+            self._demoting[block] = False
+        else:
+            del self._depth[block]
+        return started
+
+    def _admits(self, tier: _Tier, block: Hashable, index: int) -> bool:
+        if not tier.rules:
+            return True
+        ctx = AdmissionContext(
+            admission_key(block), DEFAULT_PRIORITY, (index + 1) * self.block_tokens
+        )
+        return admits(tier.rules, ctx)
+
+    def result(self, elapsed_s: float = 0.0) -> SimResult:
+        tiers = tuple(self._tier_result(t) for t in self.tiers)
+        counts = replace(self.counts)
+        return SimResult(counts, tiers, self.block_tokens, self.block_bytes, elapsed_s)
+
+    def _tier_result(self, tier: _Tier) -> TierResult:
+        total = self.counts.prompt_blocks
+        size = self.block_bytes
+        return TierResult(
+            name=tier.spec.name,
+            capacity_chunks=tier.spec.capacity,
+            eviction=tier.spec.eviction,
+            admission=tier.spec.admission,
+            write=tier.spec.write,
+            hits=tier.hits,
+            hit_ratio=tier.hits / total if total else 0.0,
+            blocks_written=tier.written,
+            blocks_read=tier.hits,
+            bytes_written=None if size is None else tier.written * size,
+            bytes_read=None if size is None else tier.hits * size,
+            evictions=tier.evictions,
+        )
+
+
+def _reading_from(tier: _Tier, lease: _Lease) -> Callable[[Hashable], bool]:
+    """Protects the chunks the lease is promoting from ``tier`` (kept there while read)."""
+    reading = lease.reading
+    return lambda block: reading.get(block) is tier
+
+
+def simulate(
+    requests: Iterable[Request],
+    specs: Sequence[TierSpec],
+    block_tokens: int,
+    block_bytes: int | None = None,
+) -> SimResult:
+    """Replay ``requests`` through fresh tiers built from ``specs``."""
+    return Simulator(specs, block_tokens, block_bytes).replay(requests)
