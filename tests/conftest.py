@@ -1,0 +1,79 @@
+"""Shared fixtures: stores on a private arena and disk folder, embedded servers and clients.
+
+Every arena gets a name of its own (pid + counter) and is unlinked in teardown, so tests never
+share or leak shared memory, even when they run in parallel processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from store_helpers import SLOT_BYTES, build_store, tier_config
+
+from kvtier.client import KvtierClient
+from kvtier.config import ServerConfig
+from kvtier.server import EmbeddedServer, NodeServer
+from kvtier.store import TieredStore
+from kvtier.tiers.arena import shm_path
+
+MakeStore = Callable[..., TieredStore]
+MakeServer = Callable[..., NodeServer]
+
+
+@pytest.fixture
+def make_store() -> Iterator[MakeStore]:
+    """``make_store(tmp_path, slots=6, disk_bytes=None, write_policy=..., admission=...)``."""
+    stores: list[TieredStore] = []
+
+    def make(root: Path, **kw: Any) -> TieredStore:
+        store = build_store(root, **kw)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close(drain_s=5)
+        assert not os.path.exists(shm_path(store.arena.name)), "arena left in /dev/shm"
+
+
+def server_config(root: Path, *, slots: int = 8, disk_bytes: int | None = None,
+                  **extra: Any) -> ServerConfig:
+    tiers = [tier_config(root, disk_bytes)] if disk_bytes is not None else []
+    return ServerConfig.from_dict({
+        "socket_path": str(root / "kvtier.sock"),
+        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+                  "free_target": 0.0},
+        "tiers": tiers,
+        **extra,
+    })
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[MakeServer]:
+    """``make_server(slots=8, disk_bytes=None, **server_config)``: started, stopped in teardown."""
+    servers: list[NodeServer] = []
+
+    def make(**kw: Any) -> NodeServer:
+        server = EmbeddedServer(server_config(tmp_path, **kw)).start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop(drain_s=5)
+        assert not os.path.exists(shm_path(server.arena_name)), "arena left in /dev/shm"
+
+
+@pytest.fixture
+def server(make_server: MakeServer) -> NodeServer:
+    return make_server()
+
+
+@pytest.fixture
+def client(server: NodeServer) -> Iterator[KvtierClient]:
+    with KvtierClient(server.socket_path, name="test") as c:
+        yield c

@@ -1,0 +1,202 @@
+"""KvtierClient against an embedded server: the two-phase store and load through the
+shared-memory arena, rejected requests, and a server that is missing or restarts."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import MakeServer
+from store_helpers import (
+    NS,
+    PAYLOAD,
+    TOKENS,
+    client_load,
+    client_store,
+    expected,
+    keys,
+    pattern,
+    stalled,
+    store_of,
+)
+
+from kvtier.client import KvtierClient
+from kvtier.codec import HEADER_SIZE
+from kvtier.errors import RequestRejected, ServerUnavailable
+from kvtier.keys import ChunkKey
+from kvtier.server import NodeServer
+
+
+def test_hello_describes_the_arena(server: NodeServer, client: KvtierClient) -> None:
+    hello = client.connect()
+    assert hello.arena_name == server.arena_name
+    assert (hello.num_slots, hello.slot_bytes, hello.header_size) == (8, 8192, HEADER_SIZE)
+    assert hello.lease_ttl_s == 30.0
+    assert client.connected
+
+
+def test_a_round_trip_through_the_arena(server: NodeServer, client: KvtierClient) -> None:
+    k = keys(3)
+    slots = client_store(client, k, fill=5)
+    assert None not in slots
+    arena = store_of(server).arena.array
+    for key, slot in zip(k, slots, strict=True):
+        assert slot is not None
+        assert arena[slot, HEADER_SIZE : HEADER_SIZE + PAYLOAD].tobytes() == \
+            pattern(key, 5).tobytes(), "payload_view writes straight into the server's arena"
+    assert client.lookup(k) == ["arena"] * 3
+    assert client_load(client, k) == expected(k, fill=5)
+    miss = client.lease(keys(1, "missing"))
+    assert (miss.slots, miss.tiers, miss.ready) == ([], [], True)
+    client.release(miss.lease_id)
+    store_of(server).check_integrity()
+
+
+def test_reserve_then_abort(server: NodeServer, client: KvtierClient) -> None:
+    k = keys(2)
+    slots = client.reserve(NS, k, payload_len=PAYLOAD, tokens=TOKENS)
+    assert None not in slots
+    assert client.lookup(k) == []
+    assert client.reserve(NS, k, payload_len=PAYLOAD, tokens=TOKENS) == [None, None]
+    assert client.abort(k) == 2
+    assert store_of(server).arena.free_slots == 8
+    assert client.commit(k) == 0
+    store_of(server).check_integrity()
+
+
+def test_bad_requests_are_rejected_and_nothing_stored_is_lost(
+        server: NodeServer, client: KvtierClient) -> None:
+    k = keys(2)
+    client_store(client, k)
+    short = ChunkKey(b"short")
+    rejected = [
+        (lambda: client.lookup([k[0], short]), "a chunk key is 32 bytes, got one of 5"),
+        (lambda: client.lease([short]), "a chunk key is 32 bytes, got one of 5"),
+        (lambda: client.commit([short]), "a chunk key is 32 bytes, got one of 5"),
+        (lambda: client.reserve(NS, [keys(1, "new")[0], short], payload_len=PAYLOAD,
+                                tokens=TOKENS), "a chunk key is 32 bytes, got one of 5"),
+        (lambda: client.release(999), "no open lease 999"),
+        (lambda: client.wait(999, 0.1), "no open lease 999"),
+        (lambda: client.reserve(NS, keys(1, "new"), payload_len=PAYLOAD, tokens=TOKENS,
+                                priority=101), r"priority must be in \[0, 100\], got 101"),
+        (lambda: client.set_priority(k, 101), r"priority must be in \[0, 100\], got 101"),
+        (lambda: client.reserve(NS, keys(1, "new"), payload_len=8192, tokens=TOKENS),
+         "payload_len 8192 does not fit an arena slot of 8192 bytes"),
+    ]
+    for call, message in rejected:
+        with pytest.raises(RequestRejected, match=f"bad_request: {message}"):
+            call()
+        assert client.connected, "a rejected request keeps the connection"
+    store = store_of(server)
+    assert store.arena.free_slots == 6, "nothing was reserved by the rejected requests"
+    assert client.lookup(k) == ["arena", "arena"]
+    assert client_load(client, k) == expected(k)
+    store.check_integrity()
+
+
+def test_no_server_means_server_unavailable(tmp_path: Path) -> None:
+    client = KvtierClient(str(tmp_path / "nobody.sock"), timeout_s=1.0)
+    with pytest.raises(ServerUnavailable, match="not reachable"):
+        client.lookup(keys(1))
+    with pytest.raises(ServerUnavailable):
+        client.connect()
+    assert not client.connected
+    client.close()
+
+
+def test_the_client_reconnects_to_a_restarted_server(make_server: MakeServer) -> None:
+    first = make_server()
+    client = KvtierClient(first.socket_path)
+    k = keys(2)
+    client_store(client, k, fill=1)
+    old_arena = client.arena.name
+    first.stop()
+    with pytest.raises(ServerUnavailable):
+        client.lookup(k)  # the connection died with the server
+    with pytest.raises(ServerUnavailable):
+        client.lookup(k)  # and nobody listens until it is back
+    assert not client.connected
+
+    second = make_server()
+    assert second.socket_path == first.socket_path and second.arena_name != old_arena
+    assert client.lookup(k) == [], "a new server, a new (empty) arena"
+    assert client.arena.name == second.arena_name, "the client mapped the new arena"
+    client_store(client, k, fill=2)
+    assert client_load(client, k) == expected(k, fill=2)
+    arena = store_of(second).arena.array
+    slot = client.lease(k[:1]).slots[0]
+    assert arena[slot, HEADER_SIZE : HEADER_SIZE + PAYLOAD].tobytes() == expected(k[:1], 2)[0]
+    client.close()
+    store_of(second).check_integrity()
+
+
+def test_one_client_shared_by_threads(server: NodeServer, client: KvtierClient) -> None:
+    failures: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            mine = keys(2, f"thread{n}-")
+            for _ in range(10):
+                client_store(client, mine, fill=n)
+                assert client_load(client, mine) == expected(mine, fill=n)
+        except BaseException as exc:  # handed to the main thread below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert failures == []
+    assert client.lookup([key for n in range(4) for key in keys(2, f"thread{n}-")]) \
+        == ["arena"] * 8
+    store_of(server).check_integrity()
+
+
+def test_wait_and_poll_follow_a_load_from_disk(make_server: MakeServer) -> None:
+    server = make_server(slots=2, disk_bytes=1 << 20)
+    store = store_of(server)
+    k = keys(1)
+    with KvtierClient(server.socket_path) as client:
+        client_store(client, k)
+        assert store.flush()
+        client_store(client, keys(2, "filler"))
+        assert store.flush()
+        assert client.lookup(k) == ["disk"]
+        with stalled(store.tiers[0].executor, store.tiers[0].config.io_threads):
+            lease = client.lease(k)
+            assert (lease.tiers, lease.ready) == (["disk"], False)
+            status = client.poll(lease.lease_id)
+            assert (status.ready, status.failed, status.done) == ([False], [False], False)
+        status = client.wait(lease.lease_id, 5.0)
+        assert (status.ready, status.failed, status.done) == ([True], [False], True)
+        assert client.payload_view(lease.slots[0], PAYLOAD).tobytes() == expected(k)[0]
+        client.release(lease.lease_id)
+        assert client.lookup(k) == ["arena"]
+    store.check_integrity()
+
+
+def test_set_priority_keeps_a_chunk_in_the_arena(make_server: MakeServer) -> None:
+    server = make_server(slots=2)
+    k = keys(1)
+    with KvtierClient(server.socket_path) as client:
+        client_store(client, k)
+        client.set_priority(k, 90)
+        for n in range(3):
+            client_store(client, keys(1, f"other{n}"))
+        assert client.lookup(k) == ["arena"]
+        assert client.lookup(keys(1, "other0")) == []
+    store_of(server).check_integrity()
+
+
+def test_payload_view_is_a_window_on_the_slot(server: NodeServer, client: KvtierClient
+                                              ) -> None:
+    (slot,) = client.reserve(NS, keys(1), payload_len=PAYLOAD, tokens=TOKENS)
+    assert slot is not None
+    view = client.payload_view(slot, PAYLOAD)
+    assert view.shape == (PAYLOAD,) and view.dtype == np.uint8
+    view[:] = 7
+    assert (store_of(server).arena.array[slot, HEADER_SIZE : HEADER_SIZE + PAYLOAD] == 7).all()
+    client.abort(keys(1))
