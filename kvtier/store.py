@@ -512,10 +512,13 @@ class TieredStore:
         self._changed.notify_all()
 
     def wait(self, lease_id: int, timeout_s: float) -> LeaseRecord:
-        """Block until the lease has no pending chunk or the timeout passes."""
+        """Block until the lease has no pending chunk or the timeout passes.
+
+        Waiting renews the lease: a client that asks is alive."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
             record = self._lease(lease_id)
+            record.deadline = self.clock() + self.config.lease_ttl_s  # its client is alive
             while not record.done and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0 or lease_id not in self.leases:
@@ -622,7 +625,10 @@ class TieredStore:
         return True
 
     def close(self, drain_s: float = 10.0) -> None:
-        """Finish writes in flight (up to ``drain_s``), stop the I/O threads, free the arena."""
+        """Write back what only the arena holds, finish writes in flight (up to
+        ``drain_s``), stop the I/O threads, free the arena."""
+        if drain_s > 0:
+            self._write_back_all()
         self.flush(drain_s)
         with self._lock:
             self._closed = True
@@ -631,6 +637,15 @@ class TieredStore:
             state.close()
         self.arena.close()
         self.arena.unlink()
+
+    def _write_back_all(self) -> None:
+        with self._lock:
+            for entry in list(self.entries.values()):
+                if entry.where is not Where.READY:
+                    continue
+                targets = [t for t in self.tiers if t.write_back and self._wants(t, entry)]
+                if targets:
+                    self._submit_write(entry, targets)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the entries, the leases and the tiers disagree."""

@@ -19,6 +19,7 @@ from kvtier.codec import HEADER_SIZE
 from kvtier.entry import ItemState, LeaseRecord
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.protocol import (
+    PROTOCOL_VERSION,
     Abort,
     Commit,
     CountReply,
@@ -107,6 +108,9 @@ class Service:
             case Stats():
                 return StatsReply(store.stats())
             case Hello():
+                if request.version != PROTOCOL_VERSION:
+                    raise ValueError(f"client speaks protocol {request.version}, this server "
+                                     f"speaks {PROTOCOL_VERSION}: upgrade one of them")
                 return self.hello()
         raise ValueError(f"unsupported request {type(request).__name__}")
 
