@@ -1,0 +1,135 @@
+"""The connector's configuration, parsed once from vLLM's ``kv_connector_extra_config``.
+
+Two ways to reach a node server, exactly one of which must be given:
+
+- ``server_socket``: connect to a server that already runs (``kvtier server``, ``kvtier
+  serve``, or one shared by several engines on the node).
+- ``server``: a :class:`~kvtier.config.ServerConfig` mapping; the connector in the scheduler
+  role (vLLM's EngineCore process) starts it embedded and workers connect to its
+  ``socket_path``. ``arena.slot_bytes`` may be left out: it is sized to fit one chunk.
+
+Example (JSON, as passed to ``--kv-transfer-config``)::
+
+    {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {
+        "server": {"socket_path": "/tmp/kvtier.sock", "arena": {"size_bytes": "4GiB"},
+                   "tiers": [{"type": "disk", "capacity_bytes": "64GiB",
+                              "options": {"path": "/var/cache/kvtier"}}]},
+        "chunk_tokens": 256, "priority": 35}}
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.codec import HEADER_SIZE, align_up
+from kvtier.config import ServerConfig, parse
+from kvtier.errors import ConfigError
+
+_PLACEHOLDER_SLOT = HEADER_SIZE + 4096
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Test hooks; never set these in production."""
+
+    hold_loads_s: float = 0.0
+    """Keep each load job on the scheduler for this long before the worker may run it."""
+
+    def __post_init__(self) -> None:
+        if self.hold_loads_s < 0:
+            raise ConfigError("faults.hold_loads_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    server_socket: str = ""
+    server: Mapping[str, Any] | None = None
+    chunk_tokens: int = 256
+    priority: int = 35
+    """Default retention priority (0-100) of stored chunks; a request may override it."""
+    load_timeout_s: float = 10.0
+    """A chunk not promoted into the arena within this time is recomputed instead."""
+    client_timeout_s: float = 2.0
+    """Per-call timeout towards the server; a slower answer counts as the server being down."""
+    retry_interval_s: float = 1.0
+    """After the server was unreachable, calls are skipped (misses) for this long."""
+    load: bool = True
+    store: bool = True
+    model_id: str | None = None
+    """Overrides the model identity in chunk keys (e.g. the same checkpoint at two paths)."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        if bool(self.server_socket) == (self.server is not None):
+            raise ConfigError(
+                "kv_connector_extra_config: give exactly one of server_socket (connect to a "
+                "running kvtier server) or server (start one embedded)")
+        if self.chunk_tokens <= 0:
+            raise ConfigError("chunk_tokens must be a positive integer")
+        if not 0 <= self.priority <= 100:
+            raise ConfigError(f"priority must be in [0, 100], got {self.priority}")
+        for name in ("load_timeout_s", "client_timeout_s", "retry_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.server is not None:
+            self.server_config(payload_len=_PLACEHOLDER_SLOT - HEADER_SIZE)  # validate early
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        return parse(cls, dict(extra or {}), "kv_connector_extra_config")
+
+    @property
+    def socket_path(self) -> str:
+        """Where both the scheduler and the workers find the server."""
+        if self.server_socket:
+            return self.server_socket
+        return self.server_config(payload_len=_PLACEHOLDER_SLOT - HEADER_SIZE).socket_path
+
+    def server_config(self, payload_len: int) -> ServerConfig:
+        """The embedded server's config, with slots sized for ``payload_len`` if unset."""
+        if self.server is None:
+            raise ConfigError("no embedded server configured (server_socket is used)")
+        data: dict[str, Any] = copy.deepcopy(dict(self.server))
+        arena = dict(data.get("arena") or {})
+        arena.setdefault("slot_bytes", HEADER_SIZE + align_up(payload_len))
+        data["arena"] = arena
+        try:
+            return ServerConfig.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_connector_extra_config.server.{exc}") from exc
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request knobs from ``kv_transfer_params = {"kvtier": {...}}``."""
+
+    priority: int | None = None
+    load: bool = True
+    store: bool = True
+
+    def __post_init__(self) -> None:
+        if self.priority is not None and not 0 <= self.priority <= 100:
+            raise ConfigError(f"kvtier.priority must be in [0, 100], got {self.priority}")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> RequestOptions:
+        """Parse a request's options; bad user input falls back to the defaults.
+
+        A client's typo must not fail its request (the cache is an accelerator), so the
+        error is logged, not raised into vLLM.
+        """
+        raw = params.get("kvtier") if isinstance(params, Mapping) else None
+        if not isinstance(raw, Mapping):
+            return cls()
+        try:
+            return parse(cls, dict(raw), "kv_transfer_params.kvtier")
+        except ConfigError as exc:
+            log.warning("ignoring bad kvtier request options: %s", exc)
+            return cls()

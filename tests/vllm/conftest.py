@@ -1,0 +1,57 @@
+"""Fixtures for the vLLM integration tests.
+
+The end-to-end modules share one demo model and one baseline: the greedy tokens of every
+prompt set, generated once per session by an engine *without* kvtier.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM sets torch's thread count for the first engine of a process and exports it to later
+# ones; fixing it here gives every engine (baseline and kvtier) the same kernels.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if VLLM:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed (pip install 'kvtier[vllm]')")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> str:
+    from kvtier.demo import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+BASELINE_SETS = {"LONG": 8, "PREEMPT": 200, "SHARED_1": 8, "SHARED_2": 8, "ABORTED": 8}
+
+
+@pytest.fixture(scope="session")
+def baseline(demo_model: str) -> Iterator[dict[str, list[list[int]]]]:
+    """Tokens of each prompt set from an engine without kvtier (one prompt at a time)."""
+    import e2e
+
+    llm = e2e.make_llm(demo_model, None)
+    try:
+        yield_value = {
+            name: e2e.one_by_one(llm, getattr(e2e, name), max_tokens).tokens
+            for name, max_tokens in BASELINE_SETS.items()
+        }
+    finally:
+        e2e.close_llm(llm)
+    yield yield_value

@@ -1,0 +1,305 @@
+"""The connector's scheduler and worker sides against a real kvtier server, no engine.
+
+Stories: a prompt is stored and a second request loads it; vLLM already holds part of it;
+chunks come up from disk; chunks vanish, are corrupt, come late, or the server is gone;
+a request is aborted while its load waits; two ranks must both confirm a store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rig import BLOCK, CHUNK, FakeEngine
+from store_helpers import disk_files, wait_until
+
+from kvtier.config import ServerConfig
+from kvtier.keys import chunk_keys
+from kvtier.server import EmbeddedServer, NodeServer
+
+PROMPT = list(range(100, 200))  # 100 tokens: 3 full chunks of 32, 7 blocks of 16
+
+
+@pytest.fixture
+def engines(make_server: Any) -> Iterator[Any]:
+    made: list[FakeEngine] = []
+
+    def make(server: NodeServer, **kw: Any) -> FakeEngine:
+        engine = FakeEngine(server.socket_path, **kw)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def stored_prompt(engine: FakeEngine, tokens: list[int] = PROMPT, *,
+                  server: NodeServer | None = None, **kw: Any) -> dict[str, Any]:
+    """Run a prompt to the end; with ``server``, wait for its lower-tier writes too."""
+    req = engine.add(tokens, **kw)
+    engine.run(req)
+    params = engine.finish(req)
+    if server is not None:
+        assert server.store is not None and server.store.flush(5)
+    return params
+
+
+def pushed_to_disk(engine: FakeEngine, server: NodeServer) -> None:
+    """Store PROMPT, then another prompt that pushes it out of a 4-slot arena."""
+    stored_prompt(engine, server=server)
+    stored_prompt(engine, [t + 1000 for t in PROMPT], server=server)
+
+
+def test_second_request_loads_what_the_first_stored(make_server: Any, engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server)
+    first = stored_prompt(engine)
+    assert first["stored_chunks"] == 3
+    assert first["tokens"] == {"device": 0, "recomputed": 100}
+
+    req = engine.add(PROMPT)
+    assert engine.hit(req) == 3 * CHUNK
+    plan = engine.step()
+    assert [job.req_id for job in plan.loads] == [req]
+    assert engine.finished_loads == {req} and not engine.failed_blocks
+    assert engine.blocks_match_recompute(req, 3 * CHUNK // BLOCK)
+    engine.run(req)
+    params = engine.finish(req)
+    assert params["tokens"] == {"device": 0, "arena": 96, "recomputed": 4}
+    assert server.store is not None and server.store.stats()["leases"] == 0
+    server.store.check_integrity()
+
+
+def test_only_blocks_beyond_the_local_hit_are_loaded(make_server: Any, engines: Any) -> None:
+    engine = engines(make_server(slots=16))
+    stored_prompt(engine)
+    req = engine.add(PROMPT, local_blocks=3)  # 48 tokens: chunk 1 is half local
+    assert engine.hit(req) == 96
+    plan = engine.step()
+    (job,) = plan.loads
+    assert len(job.block_ids) == 3 and job.positions == [1, 0, 1]
+    assert engine.blocks_match_recompute(req, 6)
+    engine.run(req)
+    tokens = engine.finish(req)["tokens"]
+    assert tokens == {"device": 48, "arena": 48, "recomputed": 4}
+    assert sum(tokens.values()) == len(PROMPT)
+
+
+def test_cache_salt_isolates_tenants(make_server: Any, engines: Any) -> None:
+    engine = engines(make_server(slots=16))
+    stored_prompt(engine, salt="tenant-a")
+    assert engine.hit(engine.add(PROMPT, salt="tenant-b")) == 0
+    assert engine.hit(engine.add(PROMPT, salt="tenant-a")) == 96
+
+
+def test_chunks_are_promoted_from_disk(make_server: Any, engines: Any, tmp_path: Path) -> None:
+    server = make_server(slots=4, disk_bytes=1 << 20)
+    engine = engines(server)
+    pushed_to_disk(engine, server)
+    assert len(disk_files(tmp_path)) == 6
+    req = engine.add(PROMPT)
+    assert engine.hit(req) == 96
+    for _ in range(200):
+        if engine.step().loads:
+            break
+        time.sleep(0.005)
+    assert engine.finished_loads == {req} and not engine.failed_blocks
+    assert engine.blocks_match_recompute(req, 6)
+    engine.run(req)
+    tokens = engine.finish(req)["tokens"]
+    assert tokens.get("disk", 0) > 0 and sum(tokens.values()) == len(PROMPT)
+
+
+def test_corrupt_chunk_on_disk_is_recomputed(make_server: Any, engines: Any,
+                                             tmp_path: Path) -> None:
+    server = make_server(slots=4, disk_bytes=1 << 20)
+    engine = engines(server)
+    pushed_to_disk(engine, server)
+    keys = chunk_keys(engine.sched.ns.fingerprint, PROMPT, CHUNK)
+    path = disk_files(tmp_path)[keys[1].hex()]
+    data = bytearray(path.read_bytes())
+    data[5000] ^= 0xFF  # a payload byte: the checksum catches it
+    path.write_bytes(bytes(data))
+    req = engine.add(PROMPT)
+    assert engine.hit(req) == 96
+    assert wait_until(lambda: bool(engine.step().loads) or not engine.reqs[req].loading)
+    assert engine.reqs[req].computed == CHUNK  # chunk 0 loaded, from chunk 1 on: recompute
+    engine.run(req)
+    assert engine.blocks_match_recompute(req, 6)
+    tokens = engine.finish(req)
+    assert tokens["failed_load_tokens"] == 64
+    assert sum(tokens["tokens"].values()) == len(PROMPT)
+
+
+def test_server_gone_between_lookup_and_lease(make_server: Any, engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server)
+    stored_prompt(engine)
+    req_id = "late"
+    engine.sched.track(_info(req_id, PROMPT))
+    assert engine.sched.num_new_matched_tokens(req_id, 0) == 96
+    server.stop(drain_s=1)
+    engine.sched.after_alloc(req_id, list(range(1, 8)), 96)
+    plan = engine.sched.build_plan(_empty_step())
+    (job,) = plan.loads
+    assert job.block_ids == [] and job.failed_block_ids == list(range(1, 7))
+    assert engine.sched.link.failures >= 1
+
+
+def test_engine_keeps_working_while_server_is_down(make_server: Any, engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server)
+    socket = server.socket_path
+    server.stop(drain_s=1)
+    req = engine.add(PROMPT)
+    assert engine.hit(req) == 0
+    engine.run(req)
+    assert engine.finish(req)["stored_chunks"] == 0
+    assert not engine.sched.has_pending_work()
+    restarted = make_server(slots=16, socket_path=socket)
+    time.sleep(0.1)  # past the retry interval
+    assert stored_prompt(engine)["stored_chunks"] == 3
+    assert engine.hit(engine.add(PROMPT)) == 96
+    assert restarted.store is not None
+    restarted.store.check_integrity()
+
+
+def test_abort_while_load_waits_still_reports_it(make_server: Any, engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server, hold_loads_s=60.0)
+    stored_prompt(engine)
+    req = engine.add(PROMPT)
+    assert engine.hit(req) == 96 and not engine.step().loads  # held back
+    engine.finish(req)
+    plan = engine.step()
+    assert [(j.req_id, j.block_ids) for j in plan.loads] == [(req, [])]
+    assert req in engine.finished_loads
+    assert not engine.sched.has_pending_work()
+    assert engine.sched.take_counters()["cancelled_loads"] == 1
+    assert server.store is not None and server.store.stats()["leases"] == 0
+
+
+def test_late_promotion_times_out_into_recompute(make_server: Any, engines: Any) -> None:
+    server = make_server(slots=4, disk_bytes=1 << 20)
+    engine = engines(server, load_timeout_s=0.0001)
+    pushed_to_disk(engine, server)
+    req = engine.add(PROMPT)
+    assert engine.hit(req) == 96
+    time.sleep(0.001)
+    engine.step()
+    assert req in engine.finished_loads
+    engine.run(req)
+    assert engine.blocks_match_recompute(req, 6)
+    assert sum(engine.finish(req)["tokens"].values()) == 100
+
+
+def test_store_commits_only_when_every_rank_confirmed(tmp_path: Path, engines: Any) -> None:
+    config = ServerConfig.from_dict({
+        "socket_path": str(tmp_path / "tp.sock"),
+        "arena": {"size_bytes": 16 * 3 * 4096, "slot_bytes": 3 * 4096}})
+    with EmbeddedServer(config) as server:
+        engine = engines(server, tp=2)
+        req = engine.add(PROMPT)
+        plan = engine.sched.build_plan(_step_for(engine, req))
+        assert len(plan.stores) == 3
+        engine.compute(engine.reqs[req], 0, len(PROMPT))
+        rank0, rank1 = engine.workers
+        rank0.save(plan.stores)
+        engine.sched.on_worker_output(set(), rank0.take_report())
+        assert engine.sched.has_pending_work()
+        assert engine.hit(engine.add(PROMPT)) == 0  # half-written chunks are not served
+        rank1.save(plan.stores)
+        engine.sched.on_worker_output(set(), rank1.take_report())
+        assert not engine.sched.has_pending_work()
+        other = engine.add(PROMPT)
+        assert engine.hit(other) == 96
+        engine.run(other)
+        assert engine.blocks_match_recompute(other, 6)  # both ranks' pages came back
+
+
+def test_worker_with_another_arena_fails_the_store(make_server: Any, engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server)
+    req = engine.add(PROMPT)
+    plan = engine.sched.build_plan(_step_for(engine, req))
+    for job in plan.stores:
+        job.arena = "not-this-one"
+    engine.run_workers(plan)
+    assert not engine.sched.has_pending_work()
+    assert server.store is not None and server.store.stats()["entries"] == 0
+
+
+# ---------------------------------------------------------------------- helpers
+
+def _info(req_id: str, tokens: list[int]) -> Any:
+    from kvtier.vllm.tracking import RequestInfo
+
+    return RequestInfo(req_id, tuple(tokens), ())
+
+
+def _empty_step() -> Any:
+    from kvtier.vllm.scheduler import StepView
+
+    return StepView()
+
+
+def _step_for(engine: FakeEngine, req_id: str) -> Any:
+    from kvtier.vllm.scheduler import ScheduledReq, StepView
+
+    req = engine.reqs[req_id]
+    return StepView([ScheduledReq(req_id, 0, len(req.info.tokens), True)],
+                    lambda r: engine.reqs[r].blocks)
+
+
+def test_worker_shakes_hands_again_after_a_server_restart(make_server: Any,
+                                                         engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server)
+    socket = server.socket_path
+    stored_prompt(engine)  # the worker now holds a connection to this server
+    server.stop(drain_s=1)
+    make_server(slots=16, socket_path=socket)
+    time.sleep(0.1)
+    assert stored_prompt(engine)["stored_chunks"] == 3  # worker copies into the new arena
+    req = engine.add(PROMPT)
+    assert engine.hit(req) == 96
+    engine.run(req)
+    assert engine.blocks_match_recompute(req, 6) and not engine.failed_blocks
+
+
+def test_a_failed_load_is_not_offered_again(make_server: Any, engines: Any) -> None:
+    engine = engines(make_server(slots=16))
+    stored_prompt(engine)
+    req = engine.add(PROMPT)
+    plan = engine.sched.build_plan(_empty_step())
+    for job in plan.loads:
+        job.arena = "gone"  # the worker cannot serve it: every block fails
+    engine.run_workers(plan)
+    assert engine.reqs[req].computed == 0 and engine.failed_blocks
+    # vLLM re-admits a request whose whole load failed; kvtier must not offer it again.
+    assert engine.sched.num_new_matched_tokens(req, 0) == 0
+    acct = engine.finish(req)
+    assert acct["failed_load_tokens"] == 96 and "arena" not in acct["tokens"]
+
+
+def test_an_unplanned_load_fails_every_block(make_server: Any, engines: Any) -> None:
+    engine = engines(make_server(slots=16))
+    engine.sched.track(_info("odd", PROMPT))
+    engine.sched.after_alloc("odd", [5, 6, 7], 48)  # no lookup answered this
+    (job,) = engine.sched.build_plan(_empty_step()).loads
+    assert job.block_ids == [] and job.failed_block_ids == [5, 6, 7]
+
+
+def test_request_priority_reaches_the_stored_chunks(make_server: Any, engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server)
+    stored_prompt(engine, priority=90)
+    keys = chunk_keys(engine.sched.ns.fingerprint, PROMPT, CHUNK)
+    assert server.store is not None
+    assert [server.store.entries[k].priority for k in keys] == [90, 90, 90]
+    stored_prompt(engine, priority=10)  # a later request lowers them: retention follows use
+    assert [server.store.entries[k].priority for k in keys] == [10, 10, 10]

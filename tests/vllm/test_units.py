@@ -1,0 +1,164 @@
+"""Small pieces of the vLLM integration: config, page views, copies, stats, sizing, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.vllm.config import ConnectorConfig, RequestOptions
+from kvtier.vllm.metadata import PayloadLayout
+from kvtier.vllm.sizing import estimate_payload_len, flag_value
+from kvtier.vllm.transfer import ChunkCopy, CpuCopier, page_views
+
+
+def test_config_needs_exactly_one_way_to_the_server() -> None:
+    with pytest.raises(ConfigError, match="exactly one"):
+        ConnectorConfig.from_extra_config({})
+    with pytest.raises(ConfigError, match="exactly one"):
+        ConnectorConfig.from_extra_config({"server_socket": "/s", "server": {}})
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        ConnectorConfig.from_extra_config({"server_socket": "/s", "chunk_tokens": 0})
+    with pytest.raises(ConfigError, match="unknown key"):
+        ConnectorConfig.from_extra_config({"server_socket": "/s", "chunk_token": 256})
+    with pytest.raises(ConfigError, match=r"server\.arena\.size_bytes"):
+        ConnectorConfig.from_extra_config({"server": {"arena": {"size_bytes": "lots"}}})
+
+
+def test_embedded_server_slots_fit_one_chunk() -> None:
+    cfg = ConnectorConfig.from_extra_config(
+        {"server": {"socket_path": "/tmp/x.sock", "arena": {"size_bytes": "64MiB"}}})
+    assert cfg.socket_path == "/tmp/x.sock"
+    assert cfg.server_config(payload_len=1 << 20).arena.slot_bytes == 4096 + (1 << 20)
+    assert cfg.server_config(payload_len=5000).arena.slot_bytes == 4096 + 8192
+
+
+def test_request_options_never_fail_a_request() -> None:
+    assert RequestOptions.from_params({"kvtier": {"priority": 80}}).priority == 80
+    assert RequestOptions.from_params({"kvtier": {"priority": 500}}) == RequestOptions()
+    assert RequestOptions.from_params({"kvtier": "high"}) == RequestOptions()
+    assert RequestOptions.from_params(None) == RequestOptions()
+    assert not RequestOptions.from_params({"kvtier": {"load": False}}).load
+
+
+def test_page_views_dedupe_shared_layers_and_sort_by_layer() -> None:
+    backing = torch.arange(3 * 4 * 2 * 8, dtype=torch.float32).view(3, 4, 2, 8)
+    caches = {"model.layers.10.attn": backing[2], "model.layers.2.attn": backing[1],
+              "model.layers.0.attn": backing[0], "model.layers.1.attn": backing[0]}
+    views = page_views(caches, num_blocks=4, page_bytes=2 * 8 * 4)
+    assert len(views) == 3
+    assert [v.shape for v in views] == [(4, 64)] * 3
+    assert torch.equal(views[1][3], backing[1, 3].contiguous().view(torch.uint8).flatten())
+    assert torch.equal(views[2][0], backing[2, 0].contiguous().view(torch.uint8).flatten())
+
+
+def test_page_views_take_a_permuted_page_as_its_bytes() -> None:
+    physical = torch.arange(3 * 8 * 2 * 16, dtype=torch.float32).view(3, 8, 2, 16)
+    logical = physical.permute(0, 2, 1, 3)  # FlashAttention's [B, H, N, C] over [B, N, H, C]
+    (view,) = page_views({"model.layers.0.attn": logical}, num_blocks=3, page_bytes=1024)
+    assert torch.equal(view[1], physical[1].contiguous().view(torch.uint8).flatten())
+
+
+def test_page_views_refuse_a_page_with_gaps() -> None:
+    t = torch.zeros(2, 8, 4, 32)[..., :16]  # every row skips half of its bytes
+    with pytest.raises(ValueError, match="contiguous"):
+        page_views({"model.layers.0.attn": t}, num_blocks=2, page_bytes=8 * 4 * 16 * 4)
+
+
+def test_cpu_copier_round_trip_with_partial_chunk() -> None:
+    layout = PayloadLayout(num_layers=2, tp_size=1, blocks_per_chunk=2, page_bytes=16)
+    src = [torch.randint(0, 255, (6, 16), dtype=torch.uint8) for _ in range(2)]
+    payload = np.zeros(layout.payload_len, dtype=np.uint8)
+    CpuCopier(src, layout, rank=0).store([ChunkCopy(payload, [4, 1], [0, 1])])
+    assert payload[:16].tolist() == src[0][4].tolist()
+    assert payload[32 + 16 : 64].tolist() == src[1][1].tolist()
+    dst = [torch.zeros(6, 16, dtype=torch.uint8) for _ in range(2)]
+    CpuCopier(dst, layout, rank=0).load([ChunkCopy(payload, [5], [1])])  # second block only
+    assert torch.equal(dst[0][5], src[0][1]) and torch.equal(dst[1][5], src[1][1])
+    assert not dst[0][:5].any()
+
+
+def test_stats_aggregate_and_reach_prometheus() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvtier.vllm.stats import KvtierPromMetrics, KvtierStats
+
+    a = KvtierStats({"loaded_tokens|arena": 256, "store_bytes": 10})
+    b = KvtierStats({"loaded_tokens|arena": 256, "loaded_tokens|disk": 512})
+    total = a.aggregate(b)
+    assert total.reduce() == {"loaded_tokens|arena": 512, "loaded_tokens|disk": 512,
+                              "store_bytes": 10}
+    assert KvtierStats({"store_bytes": 0}).is_empty()
+    registry = CollectorRegistry()
+
+    def counter(*args: object, **kw: object) -> Counter:
+        return Counter(*args, registry=registry, **kw)  # type: ignore[arg-type]
+
+    class Config:
+        kv_transfer_config = None
+
+    prom = KvtierPromMetrics(Config(), {Gauge: Gauge, Counter: counter,  # type: ignore[arg-type]
+                                        Histogram: Histogram}, ["model_name", "engine"],
+                             {0: ["m", "0"]})
+    prom.observe(total.to_dict(), 0)
+    got = registry.get_sample_value("vllm:kvtier_loaded_tokens_total",
+                                    {"model_name": "m", "engine": "0", "tier": "disk"})
+    assert got == 512
+
+
+def test_payload_estimate_from_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 256, "dtype": "bfloat16"}))
+    assert estimate_payload_len(str(tmp_path), [], 256) == 4 * 2 * 2 * 64 * 256 * 2
+    assert estimate_payload_len(str(tmp_path), ["--dtype=float32"], 256) == 4 * 2 * 2 * 64 * 256 * 4
+    assert estimate_payload_len(str(tmp_path), ["-tp", "4", "--kv-cache-dtype", "fp8"], 256) == (
+        4 * 2 * 4 * 64 * 256 * 1)
+    assert estimate_payload_len(str(tmp_path / "missing"), [], 256) is None
+    assert flag_value(["--port", "1", "--port=2"], "--port") == "2"
+
+
+def test_serve_passes_unknown_options_to_vllm(tmp_path: Path) -> None:
+    from kvtier.vllm.serve import build_plan, register
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64}))
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", str(model), "--port", "8123",
+                              "--arena-size", "64MiB", "--disk-path", str(tmp_path / "d"),
+                              "--max-model-len=4096", "--", "--dtype", "float32"])
+    plan = build_plan(args)
+    assert plan.cmd[-5:] == ["--port", "8123", "--max-model-len=4096", "--dtype", "float32"]
+    transfer = json.loads(plan.cmd[plan.cmd.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_module_path"] == "kvtier.vllm"
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert plan.server is not None
+    assert transfer["kv_connector_extra_config"]["server_socket"] == plan.server.socket_path
+    assert plan.server.arena.slot_bytes == 4096 + 2 * 2 * 2 * 32 * 256 * 4
+    assert plan.server.tiers[0].options["path"] == str(tmp_path / "d")
+    with pytest.raises(ConfigError, match="kv-transfer-config"):
+        build_plan(parser.parse_args(["serve", "--model", str(model),
+                                      "--kv-transfer-config", "{}"]))
+
+
+def test_ttft_bench_figures_carry_the_documented_keys() -> None:
+    from kvtier.bench.ttft import _figures
+
+    ttft = {"recompute": [2.0, 2.2, 1.8], "device": [0.05] * 3, "arena": [0.06] * 3,
+            "disk": [0.1] * 3}
+    f = _figures(8300, ttft, ratio=0.97, ratio_noop=0.99)
+    assert {"prompt_tokens", "ttft_recompute_s", "ttft_device_s", "ttft_arena_s",
+            "ttft_disk_s", "no_reuse_throughput_ratio"} <= set(f)
+    assert f["ttft_recompute_s"] == 2.0 and f["arena_speedup"] == round(2.0 / 0.06, 2)
+    assert f["targets_met"] == {"arena_speedup": True, "arena_over_device": True,
+                                "no_reuse_throughput": True}
+    assert not _figures(8300, ttft, ratio=0.9, ratio_noop=1.0)["targets_met"][
+        "no_reuse_throughput"]
