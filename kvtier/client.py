@@ -74,9 +74,13 @@ class KvtierClient:
     def connected(self) -> bool:
         return self._sock is not None
 
-    def connect(self) -> HelloReply:
-        """Connect (if needed) and return the server's hello."""
+    def connect(self, *, refresh: bool = False) -> HelloReply:
+        """Connect (if needed) and return the server's hello. ``refresh`` asks the server
+        again, so a restart behind a connection that looked alive is noticed."""
         with self._lock:
+            if refresh and self._sock is not None:
+                with contextlib.suppress(ServerUnavailable):  # dropped: reopened below
+                    self._hello = self._roundtrip(Hello(self.name, os.getpid()), HelloReply)
             if self._sock is None or self._hello is None:
                 self._open()
             assert self._hello is not None
@@ -94,8 +98,8 @@ class KvtierClient:
         self._sock = sock
         hello = self._roundtrip(Hello(self.name, os.getpid()), HelloReply)
         if self._arena is not None and (self._hello is None
-                                        or self._hello.arena_name != hello.arena_name):
-            self._arena.close()  # the server restarted with a new arena
+                                        or self._hello.instance != hello.instance):
+            self._arena.close()  # the server restarted: a new arena, maybe under the same name
             self._arena = None
         self._hello = hello
 

@@ -82,6 +82,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     slot_bytes: int
     header_size: int
     lease_ttl_s: float
+    instance: str = ""
+    """Random per server start: a client seeing a new one remaps the arena, even when a
+    fixed ``arena.name`` is reused."""
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):

@@ -11,7 +11,6 @@ import contextlib
 import itertools
 import logging
 import os
-import secrets
 import socket
 import threading
 from typing import Any
@@ -22,6 +21,7 @@ from kvtier.metrics import StoreMetrics
 from kvtier.protocol import Error, decode_request, encode, read_frame
 from kvtier.server.service import Service
 from kvtier.store import TieredStore
+from kvtier.tiers import arena
 
 log = logging.getLogger("kvtier.server")
 HOUSEKEEPING_S = 0.5
@@ -32,7 +32,7 @@ class NodeServer:
         self.config = config
         self.socket_path = config.socket_path
         self.metrics = StoreMetrics()
-        self.arena_name = config.arena.name or f"kvtier-{os.getuid()}-{secrets.token_hex(6)}"
+        self.arena_name = config.arena.name or arena.default_name()
         self.store: TieredStore | None = None
         self.service: Service | None = None
         self.metrics_port: int | None = None
@@ -48,6 +48,8 @@ class NodeServer:
     def start(self) -> NodeServer:
         """Bind, build the store, index lower tiers and start serving in threads."""
         self._listener = self._bind()
+        for name in arena.sweep_stale():
+            log.warning("removed arena %s left by a server that died", name)
         try:
             self.store = TieredStore(self.config, arena_name=self.arena_name,
                                      metrics=self.metrics)

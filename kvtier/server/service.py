@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from typing import IO
@@ -57,6 +58,7 @@ def _keys(raw: list[bytes]) -> list[ChunkKey]:
 class Service:
     def __init__(self, store: TieredStore, access_log: str | None = None) -> None:
         self.store = store
+        self.instance = secrets.token_hex(8)
         self._log_file: IO[str] | None = None
         self._log_lock = threading.Lock()
         if access_log:
@@ -117,7 +119,7 @@ class Service:
     def hello(self) -> HelloReply:
         arena = self.store.arena
         return HelloReply(__version__, arena.name, arena.num_slots, arena.slot_bytes,
-                          HEADER_SIZE, self.store.config.lease_ttl_s)
+                          HEADER_SIZE, self.store.config.lease_ttl_s, self.instance)
 
     def _lease_reply(self, record: LeaseRecord) -> LeaseReply:
         status = _status(record)

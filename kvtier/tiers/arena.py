@@ -21,6 +21,7 @@ import contextlib
 import enum
 import mmap
 import os
+import secrets
 from collections import deque
 
 import numpy as np
@@ -158,3 +159,36 @@ class Arena(ArenaMapping):
             raise IntegrityError(f"slots {bad.tolist()[:8]} are leased but not READY")
         if (self.leases < 0).any():
             raise IntegrityError("negative lease count")
+
+
+def default_name() -> str:
+    """``kvtier-UID-PID-RANDOM``: the pid lets a later server remove it if this one dies."""
+    return f"kvtier-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def sweep_stale() -> list[str]:
+    """Unlink default-named arenas of this user whose server process is gone (a server
+    killed with SIGKILL cannot unlink its own). Returns the names removed."""
+    prefix = f"kvtier-{os.getuid()}-"
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        parts = name[len(prefix):].split("-")
+        if not name.startswith(prefix) or len(parts) != 2 or not parts[0].isdigit():
+            continue
+        if _alive(int(parts[0])):
+            continue
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            if os.stat(shm_path(name)).st_uid == os.getuid():
+                os.unlink(shm_path(name))
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -3,15 +3,19 @@ shared-memory arena, rejected requests, and a server that is missing or restarts
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MakeServer
+from conftest import MakeServer, server_config
 from store_helpers import (
     NS,
     PAYLOAD,
+    SLOT_BYTES,
     TOKENS,
     client_load,
     client_store,
@@ -27,6 +31,7 @@ from kvtier.codec import HEADER_SIZE
 from kvtier.errors import RequestRejected, ServerUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.server import NodeServer
+from kvtier.tiers.arena import Arena, shm_path
 
 
 def test_hello_describes_the_arena(server: NodeServer, client: KvtierClient) -> None:
@@ -200,3 +205,38 @@ def test_payload_view_is_a_window_on_the_slot(server: NodeServer, client: Kvtier
     view[:] = 7
     assert (store_of(server).arena.array[slot, HEADER_SIZE : HEADER_SIZE + PAYLOAD] == 7).all()
     client.abort(keys(1))
+
+
+def test_a_restart_under_a_fixed_arena_name_is_noticed(tmp_path: Path) -> None:
+    """Scenario: the arena name is fixed in the config, the server restarts; the client must
+    map the new arena, not keep the old mapping of a file that was unlinked."""
+    name = f"kvtier-fixed-{os.getpid()}"
+    config = server_config(tmp_path, arena={"size_bytes": 4 * SLOT_BYTES,
+                                            "slot_bytes": SLOT_BYTES, "name": name})
+    with NodeServer(config) as first:
+        client = KvtierClient(first.socket_path)
+        old = client.arena
+        first_instance = client.connect().instance
+    with NodeServer(config):
+        assert client.connect(refresh=True).instance != first_instance
+        assert client.arena is not old
+        k = keys(1)
+        client_store(client, k)
+        assert client_load(client, k) == expected(k)
+    client.close()
+
+
+def test_a_server_removes_arenas_left_by_dead_servers(make_server: MakeServer) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=30)
+    stale = f"kvtier-{os.getuid()}-{int(dead.stdout)}-abcd1234"
+    Arena(stale, 2, SLOT_BYTES, prefault=False).close()
+    mine = Arena(f"kvtier-{os.getuid()}-{os.getpid()}-live0001", 2, SLOT_BYTES, prefault=False)
+    try:
+        assert os.path.exists(shm_path(stale))
+        make_server()
+        assert not os.path.exists(shm_path(stale))
+        assert os.path.exists(shm_path(mine.name))  # its process is alive: kept
+    finally:
+        mine.close()
+        mine.unlink()
