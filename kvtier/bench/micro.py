@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.bench import pagecache
 from kvtier.bench.report import Row, print_table
 from kvtier.client import KvtierClient
 from kvtier.codec import HEADER_SIZE, seal, stored_size
@@ -168,7 +169,7 @@ def _bench_disk(tmp: Path, payload: int, n: int, repeats: int
 
     def cold(fn: Callable[[int], None], root: Path) -> Callable[[int], None]:
         def wrapped(i: int) -> None:
-            _drop_cache(root)
+            pagecache.evict(root)
             fn(i)
         return wrapped
 
@@ -190,17 +191,6 @@ def _bench_disk(tmp: Path, payload: int, n: int, repeats: int
             "disk_write_ratio": tw / pw, "disk_read_ratio": trc / prc,
             "disk_read_warm_ratio": trw / prw}
     return rows, figs
-
-
-def _drop_cache(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _bench_lookup(tmp: Path) -> tuple[list[Row], dict[str, float]]:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import pagecache
 from kvtier.bench.report import Row, print_table
 
 TARGETS = {"arena_speedup_min": 5.0, "arena_over_device_max": 1.5, "throughput_ratio_min": 0.95}
@@ -180,7 +181,7 @@ class _Bench:
             llm.reset_prefix_cache()
             cases["arena"].append(self._time(llm, prompt))
             self.server.stop(drain_s=30)
-            _evict_page_cache(self.root / "disk")
+            pagecache.evict(self.root / "disk")
             self._start_server()
             llm.reset_prefix_cache()
             cases["disk"].append(self._time(llm, prompt))
@@ -245,18 +246,6 @@ def report(f: dict[str, Any]) -> None:
     print_table(rows, f"kvtier bench ttft: {f['prompt_tokens']}-token prompt")
     for name, ok in f["targets_met"].items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
-
-
-def _evict_page_cache(folder: Path) -> None:
-    """Drop the tier's files from the page cache so the disk case reads the device."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _vocab_size(model: str) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError
 from kvtier.policies import EVICTION
 from kvtier.trace.analyze import Analysis, analyze
 from kvtier.trace.formats import FORMATS, MOONCAKE_BLOCK_TOKENS, Trace, load_trace, write_mooncake
@@ -280,14 +280,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trace`` on its own: ``python -m kvtier.trace.cli analyze FILE``."""
-    parser = argparse.ArgumentParser(prog="kvtier")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["trace", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args))
-    except KvtierError as exc:
-        print(f"kvtier: error: {exc}", file=sys.stderr)
-        return 2
+    from kvtier.cli import main as kvtier_main
+
+    return kvtier_main(["trace", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
