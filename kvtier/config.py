@@ -143,6 +143,9 @@ class ServerConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     lease_ttl_s: float = 30.0
+    orphan_grace_s: float = 10.0
+    """A client that disconnects keeps its leases and reservations this long: another
+    process it gave the slot numbers to (an engine worker) may still be copying."""
     max_message_bytes: int = _size(16 << 20)
     access_log: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -153,6 +156,8 @@ class ServerConfig:
             object.__setattr__(self, "socket_path", default_socket_path())
         if self.lease_ttl_s <= 0:
             raise ConfigError("lease_ttl_s must be positive")
+        if self.orphan_grace_s < 0:
+            raise ConfigError("orphan_grace_s cannot be negative")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in [0, 65535] (0 picks a free port)")
         names = [tier.name for tier in self.tiers]

@@ -103,13 +103,13 @@ class Leasing(StoreCore):
             self.tiers_by_name[item.tier].policy.touch(entry.key)
             self.policy.insert(entry.key, entry.priority)
 
-    def wait(self, lease_id: int, timeout_s: float) -> LeaseRecord:
+    def wait(self, lease_id: int, timeout_s: float, owner: int | None = None) -> LeaseRecord:
         """Block until the lease has no pending chunk or the timeout passes.
 
         Waiting renews the lease: a client that asks is alive."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
-            record = self._lease(lease_id)
+            record = self._lease(lease_id, owner)
             record.deadline = self.clock() + self.config.lease_ttl_s  # its client is alive
             while not record.done and not self._closed:
                 left = deadline - time.monotonic()
@@ -118,15 +118,17 @@ class Leasing(StoreCore):
                 self._changed.wait(left)
             return record
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, owner: int | None = None) -> None:
+        """End a lease of ``owner`` (any, for ``None``); raises KeyError for another's."""
         with self._lock:
-            record = self.leases.pop(self._lease(lease_id).lease_id)
+            record = self.leases.pop(self._lease(lease_id, owner).lease_id)
             self._release(record)
 
-    def _lease(self, lease_id: int) -> LeaseRecord:
+    def _lease(self, lease_id: int, owner: int | None = None) -> LeaseRecord:
         record = self.leases.get(lease_id)
-        if record is None:
-            raise KeyError(f"no open lease {lease_id} (released, expired or never granted)")
+        if record is None or owner not in (None, record.owner):
+            raise KeyError(f"no open lease {lease_id} of this client (released, expired or "
+                           "never granted)")
         return record
 
     def _release(self, record: LeaseRecord) -> None:

@@ -165,27 +165,43 @@ class StoreCore:
     def _write_job(self, entry: Entry, slot: int, targets: list[TierState], size: int,
                    evicting: bool) -> None:
         view = self.arena.slot(slot)
-        if not entry.sealed:
+        try:
+            sealed = self._seal(entry, view)
+            data = view[:size]
+            for i, state in enumerate(targets):
+                start = time.perf_counter()
+                written = self._write_one(state, entry.key, data) if sealed else None
+                elapsed = time.perf_counter() - start
+                with self._lock:
+                    self._write_done(entry, state, size, written, elapsed)
+                    if evicting and i == len(targets) - 1:
+                        # Same critical section: nobody sees it READY, written and untracked.
+                        self._demoted(entry)
+        finally:
+            view.release()
+
+    def _seal(self, entry: Entry, view: memoryview) -> bool:
+        if entry.sealed:
+            return True
+        try:
             seal(view, entry.namespace_fp, entry.key, entry.tokens, entry.payload_len,
                  entry.priority)
-            entry.sealed = True
-        data = view[:size]
-        for i, state in enumerate(targets):
-            start = time.perf_counter()
-            ok = False
-            try:
-                written = state.tier.write(entry.key, data)
-                ok = True
-            except TierError as exc:
-                log.warning("write to %s failed: %s", state.name, exc)
-                self.metrics.io_errors.labels(state.name, "write").inc()
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                self._write_done(entry, state, size, written if ok else None, elapsed)
-                if evicting and i == len(targets) - 1:
-                    # Same critical section: nobody sees it READY, written and untracked.
-                    self._demoted(entry)
-        view.release()
+        except Exception:  # a bad field must fail this write, not strand the entry
+            log.exception("cannot seal chunk %s", entry.key.hex()[:16])
+            return False
+        entry.sealed = True
+        return True
+
+    def _write_one(self, state: TierState, key: ChunkKey, data: memoryview) -> int | None:
+        """Bytes the tier now holds for ``key``, or ``None`` when the write failed."""
+        try:
+            return state.tier.write(key, data)
+        except TierError as exc:
+            log.warning("write to %s failed: %s", state.name, exc)
+        except Exception:  # an unexpected bug must not leave the entry "writing" forever
+            log.exception("write to %s failed", state.name)
+        self.metrics.io_errors.labels(state.name, "write").inc()
+        return None
 
     def _write_done(self, entry: Entry, state: TierState, promised: int, written: int | None,
                     elapsed: float) -> None:
@@ -223,7 +239,7 @@ class StoreCore:
     def _promote_job(self, entry: Entry, state: TierState, slot: int) -> None:
         view = self.arena.slot(slot)
         start = time.perf_counter()
-        header = None
+        header, keep = None, False
         try:
             n = state.tier.read_into(entry.key, view)
             if n is not None:
@@ -233,9 +249,10 @@ class StoreCore:
                         state.name, exc)
             self.metrics.checksum_failures.labels(state.name).inc()
             self._quarantine(state, entry.key)
-        except TierError as exc:
+        except Exception as exc:  # I/O error (or a bug): this load fails, the copy stays
             log.warning("read from %s failed: %s", state.name, exc)
             self.metrics.io_errors.labels(state.name, "read").inc()
+            keep = True
         finally:
             view.release()
         elapsed = time.perf_counter() - start
@@ -245,7 +262,7 @@ class StoreCore:
                 entry.payload_len, entry.sealed = header.payload_len, True
                 self.metrics.bytes.labels(state.name, "read").inc(stored_size(header.payload_len))
                 self.metrics.io_seconds.labels(state.name, "read").observe(elapsed)
-            self._promote_done(entry, state, ok=header is not None)
+            self._promote_done(entry, state, ok=header is not None, keep_copy=keep)
 
     def _quarantine(self, state: TierState, key: ChunkKey) -> None:
         try:
@@ -253,7 +270,10 @@ class StoreCore:
         except TierError as exc:
             log.warning("quarantine on %s failed: %s", state.name, exc)
 
-    def _promote_done(self, entry: Entry, state: TierState, ok: bool) -> None:
+    def _promote_done(self, entry: Entry, state: TierState, ok: bool,
+                      keep_copy: bool = False) -> None:
+        """Publish a promoted chunk, or fail its waiters; a missing or corrupt copy is
+        forgotten, one that only failed to read (``keep_copy``) stays indexed."""
         assert entry.slot is not None
         entry.reading = None
         waiting = [item for lease in self.leases.values() for item in lease.items
@@ -266,8 +286,9 @@ class StoreCore:
                 item.state = ItemState.READY
         else:
             self.policy.remove(entry.key)
-            state.forget(entry.key)
-            entry.lower.discard(state.name)
+            if not keep_copy:
+                state.forget(entry.key)
+                entry.lower.discard(state.name)
             for item in waiting:
                 item.state = ItemState.FAILED
             self._drop_slot(entry)

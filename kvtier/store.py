@@ -8,7 +8,8 @@ order. Every lower-tier hit is staged through the arena. The operations clients 
   two-phase store. Commit makes chunks servable and starts write-through copies below.
 - ``lease`` -> (``wait`` while lower-tier chunks are promoted) -> client reads -> ``release``:
   the two-phase load. A leased or in-flight slot is never evicted or reused.
-- ``expire``/``drop_owner``: leases and reservations die with their client or after the TTL.
+- ``expire``/``drop_owner``: leases and reservations end after their TTL, or a short grace
+  after their client went away.
 
 Admission rules of lower tiers see one use per chunk per request: a leased hit or an offer
 to ``reserve`` (granted or not).
@@ -96,6 +97,11 @@ class TieredStore(Leasing):
         Raises ValueError when the payload cannot fit a slot or the priority is invalid.
         """
         check_priority(priority)
+        if len(namespace_fp) != 32:
+            raise ValueError(f"namespace_fp must be 32 bytes, got {len(namespace_fp)}")
+        if not 0 < tokens < 2**32 or not 0 <= first_index < 2**32:
+            raise ValueError(f"tokens ({tokens}) and first_index ({first_index}) must be in "
+                             "[1, 2**32) and [0, 2**32)")
         if payload_len <= 0 or stored_size(payload_len) > self.arena.slot_bytes:
             raise ValueError(
                 f"payload_len {payload_len} does not fit an arena slot of "
@@ -130,16 +136,18 @@ class TieredStore(Leasing):
                 slots.append(slot)
         return slots
 
-    def commit(self, keys: Sequence[ChunkKey]) -> int:
+    def commit(self, keys: Sequence[ChunkKey], owner: int | None = None) -> int:
         """Publish reserved chunks; returns how many were committed.
 
-        Chunks are inserted tail first, so the head of a prefix is the most recently used.
+        Only the reserving client's (``owner``'s) reservations; ``None`` for in-process
+        callers. Chunks are inserted tail first, so the head of a prefix is the most
+        recently used.
         """
         count = 0
         with self._lock:
             for key in reversed(keys):
                 entry = self.entries.get(key)
-                if entry is None or entry.where is not Where.RESERVED:
+                if entry is None or not self._reserved_by(entry, owner):
                     continue
                 assert entry.slot is not None
                 self.arena.publish(entry.slot)
@@ -152,18 +160,23 @@ class TieredStore(Leasing):
         self._set_gauges()
         return count
 
-    def abort(self, keys: Sequence[ChunkKey]) -> int:
+    def abort(self, keys: Sequence[ChunkKey], owner: int | None = None) -> int:
+        """Drop reserved chunks of ``owner`` (any, for ``None``); returns how many."""
         with self._lock:
-            count = sum(self._abort_one(key) for key in keys)
+            count = sum(self._abort_one(key, owner) for key in keys)
             self._changed.notify_all()
         return count
 
-    def _abort_one(self, key: ChunkKey) -> bool:
+    def _abort_one(self, key: ChunkKey, owner: int | None) -> bool:
         entry = self.entries.get(key)
-        if entry is None or entry.where is not Where.RESERVED:
+        if entry is None or not self._reserved_by(entry, owner):
             return False
         self._drop_slot(entry)
         return True
+
+    @staticmethod
+    def _reserved_by(entry: Entry, owner: int | None) -> bool:
+        return entry.where is Where.RESERVED and owner in (None, entry.owner)
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
         check_priority(priority)
@@ -178,10 +191,22 @@ class TieredStore(Leasing):
                     state.policy.set_priority(key, priority)
 
     def drop_owner(self, owner: int) -> None:
-        """A client went away: release its leases and abort its reservations."""
+        """A client went away: its leases and reservations end after ``orphan_grace_s``.
+
+        Not at once: the client may have handed slot numbers to another process (an engine
+        worker) that is still copying; a slot reused under it would be a wrong block.
+        """
+        now = self.clock()
+        end = now + self.config.orphan_grace_s
         with self._lock:
-            self._drop_where(lambda lease: lease.owner == owner,
-                             lambda entry: entry.owner == owner)
+            for record in self.leases.values():
+                if record.owner == owner:
+                    record.deadline = min(record.deadline, end)
+            for entry in self.entries.values():
+                if entry.where is Where.RESERVED and entry.owner == owner:
+                    entry.deadline = min(entry.deadline, end)
+        if self.config.orphan_grace_s == 0:
+            self.expire(now)
 
     def expire(self, now: float | None = None) -> None:
         """Drop leases and reservations past their deadline (called periodically)."""

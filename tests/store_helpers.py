@@ -70,6 +70,7 @@ def tier_config(root: Path, disk_bytes: int, write_policy: str = "through",
 def build_store(root: Path, *, slots: int = 6, disk_bytes: int | None = None,
                 write_policy: str = "through", admission: dict[str, int] | None = None,
                 clock: Callable[[], float] | None = None, lease_ttl_s: float = 30.0,
+                orphan_grace_s: float = 0.0,
                 free_target: float = 0.0, io_threads: int = 2,
                 disk_options: dict[str, Any] | None = None,
                 tiers: list[dict[str, Any]] | None = None) -> TieredStore:
@@ -85,6 +86,7 @@ def build_store(root: Path, *, slots: int = 6, disk_bytes: int | None = None,
                   "free_target": free_target},
         "tiers": tiers,
         "lease_ttl_s": lease_ttl_s,
+        "orphan_grace_s": orphan_grace_s,
     })
     if clock is None:
         return TieredStore(config, arena_name=arena_name())

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 from conftest import MakeServer, MakeStore
-from store_helpers import SLOT_BYTES, build_store, expected, keys, load, store_chunks
+from store_helpers import (
+    NS,
+    PAYLOAD,
+    SLOT_BYTES,
+    TOKENS,
+    build_store,
+    expected,
+    keys,
+    load,
+    store_chunks,
+)
 
 from kvtier.client import KvtierClient
 from kvtier.errors import RequestRejected
@@ -63,3 +73,50 @@ def test_a_client_of_another_protocol_version_is_refused(make_server: MakeServer
         assert client.lookup(keys(1)) == []
     with pytest.raises(RequestRejected):
         KvtierClient(server.socket_path).set_priority(keys(1), 101)
+
+
+def test_a_dead_clients_slots_are_kept_for_a_grace_period(tmp_path: Path,
+                                                          make_store: MakeStore) -> None:
+    """Scenario: a scheduler leased a chunk and gave its slot to a worker process, then its
+    connection dropped. The worker may still be copying: the slot must not be reused yet."""
+    now = [0.0]
+    store = make_store(tmp_path, slots=1, orphan_grace_s=5.0, clock=lambda: now[0])
+    k = keys(1)
+    store_chunks(store, k)
+    record = store.lease(7, k)
+    store.drop_owner(7)
+    assert store.reserve(1, NS, keys(1, "new"), payload_len=PAYLOAD, tokens=TOKENS) == [None]
+    now[0] = 5.0
+    store.expire()
+    assert record.lease_id not in store.leases
+    assert store.reserve(1, NS, keys(1, "new"), payload_len=PAYLOAD, tokens=TOKENS) != [None]
+    store.check_integrity()
+
+
+def test_only_the_reserving_client_commits_or_releases(tmp_path: Path,
+                                                       make_store: MakeStore) -> None:
+    store = make_store(tmp_path, slots=4)
+    k = keys(2)
+    slots = store.reserve(1, NS, k, payload_len=PAYLOAD, tokens=TOKENS)
+    assert None not in slots
+    assert store.commit(k, owner=2) == 0  # not yours
+    assert store.abort(k[:1], owner=2) == 0
+    assert store.commit(k, owner=1) == 2
+    record = store.lease(1, k)
+    with pytest.raises(KeyError, match="of this client"):
+        store.release(record.lease_id, owner=2)
+    store.release(record.lease_id, owner=1)
+    store.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [{"tokens": 0}, {"tokens": 2**32}, {"first_index": -1}])
+def test_reserve_refuses_fields_the_chunk_header_cannot_hold(
+        tmp_path: Path, make_store: MakeStore, bad: dict[str, int]) -> None:
+    store = make_store(tmp_path, slots=2)
+    args = {"payload_len": PAYLOAD, "tokens": TOKENS, "first_index": 0} | bad
+    with pytest.raises(ValueError, match="tokens"):
+        store.reserve(1, NS, keys(1), **args)
+    with pytest.raises(ValueError, match="namespace_fp"):
+        store.reserve(1, b"short", keys(1), payload_len=PAYLOAD, tokens=TOKENS)
+    assert store.arena.free_slots == 2
+    store.check_integrity()

@@ -12,7 +12,9 @@ import itertools
 import logging
 import os
 import socket
+import stat
 import threading
+import time
 from typing import Any
 
 from kvtier.config import ServerConfig
@@ -109,7 +111,10 @@ class NodeServer:
     def _bind(self) -> socket.socket:
         folder = os.path.dirname(os.path.abspath(self.socket_path))
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        if os.path.exists(self.socket_path):
+        _check_private(folder)
+        if os.path.lexists(self.socket_path):
+            if not stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                raise ConfigError(f"socket_path {self.socket_path}: exists and is not a socket")
             if _is_live(self.socket_path):
                 raise ConfigError(f"socket_path {self.socket_path}: a server is already "
                                   "listening there")
@@ -129,8 +134,12 @@ class NodeServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                break
+            except OSError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("accept failed (%s); retrying", exc)  # e.g. out of descriptors
+                time.sleep(0.1)
+                continue
             conn_id = next(self._conn_ids)
             self._conns[conn_id] = conn
             self.metrics.clients.set(len(self._conns))
@@ -186,6 +195,16 @@ class NodeServer:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+
+
+def _check_private(folder: str) -> None:
+    """The socket's folder must be ours and closed to others: whoever can write there can
+    put a socket of their own in our server's place."""
+    info = os.lstat(folder)
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ConfigError(f"socket folder {folder} must be owned by uid {os.getuid()} and not "
+                          f"writable by group or others (it is uid {info.st_uid}, mode "
+                          f"{stat.filemode(info.st_mode)})")
 
 
 def _is_live(path: str) -> bool:

@@ -63,7 +63,8 @@ class Service:
         self._log_lock = threading.Lock()
         if access_log:
             os.makedirs(os.path.dirname(os.path.abspath(access_log)), exist_ok=True)
-            self._log_file = open(access_log, "a", buffering=1)  # noqa: SIM115 - lives with the server
+            fd = os.open(access_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._log_file = os.fdopen(fd, "a", buffering=1)
 
     def handle(self, owner: int, request: Request) -> Reply:
         op = type(request).__name__.lower()
@@ -91,9 +92,9 @@ class Service:
                 return self._lease_reply(store.lease(owner, _keys(request.keys)))
             case Wait():
                 timeout = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
-                return _status(store.wait(request.lease_id, timeout))
+                return _status(store.wait(request.lease_id, timeout, owner))
             case Release():
-                store.release(request.lease_id)
+                store.release(request.lease_id, owner)
                 return CountReply(1)
             case Reserve():
                 slots = store.reserve(owner, request.namespace_fp, _keys(request.keys),
@@ -101,9 +102,9 @@ class Service:
                                       priority=request.priority, first_index=request.first_index)
                 return ReserveReply(slots)
             case Commit():
-                return CountReply(store.commit(_keys(request.keys)))
+                return CountReply(store.commit(_keys(request.keys), owner))
             case Abort():
-                return CountReply(store.abort(_keys(request.keys)))
+                return CountReply(store.abort(_keys(request.keys), owner))
             case SetPriority():
                 store.set_priority(_keys(request.keys), request.priority)
                 return CountReply(len(request.keys))

@@ -63,9 +63,12 @@ class ArenaMapping:
             raise ConfigError(f"arena {name!r} does not exist in {SHM_DIR}: is the server "
                               "running?") from exc
         try:
+            info = os.fstat(fd)
             if create:
                 os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
+            elif info.st_uid != os.getuid():
+                raise ConfigError(f"arena {name!r} belongs to uid {info.st_uid}, not to us")
+            elif info.st_size < size:
                 raise ConfigError(f"arena {name!r} is smaller than {size} bytes")
             populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)

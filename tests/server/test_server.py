@@ -111,7 +111,8 @@ os.kill(os.getpid(), 9)
 
 
 def test_a_killed_client_loses_its_lease_and_its_reservation(make_server: MakeServer) -> None:
-    server = make_server(slots=2)
+    """After a short grace (a process the client gave slot numbers to may still copy)."""
+    server = make_server(slots=2, orphan_grace_s=0.3)
     store = store_of(server)
     held, unfinished = keys(1, "held"), keys(1, "unfinished")
     with KvtierClient(server.socket_path) as client:
@@ -271,7 +272,8 @@ def test_an_oversized_length_prefix_is_refused_unread(make_server: MakeServer) -
     still_serving(server)
 
 
-def test_a_client_disconnecting_mid_frame_is_forgotten(server: NodeServer) -> None:
+def test_a_client_disconnecting_mid_frame_is_forgotten(make_server: MakeServer) -> None:
+    server = make_server(orphan_grace_s=0.2)
     k = keys(1)
     store = store_of(server)
     with KvtierClient(server.socket_path) as client:
