@@ -86,6 +86,11 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     """Random per server start: a client seeing a new one remaps the arena, even when a
     fixed ``arena.name`` is reused."""
 
+    @property
+    def arena_id(self) -> str:
+        """Names one arena of one server start (``name@instance``)."""
+        return f"{self.arena_name}@{self.instance}"
+
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
     tiers: list[str]

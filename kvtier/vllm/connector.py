@@ -255,7 +255,10 @@ def _request_info(request: Request) -> RequestInfo:
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         extras.append(f"lora:{lora.lora_name}:{getattr(lora, 'lora_path', '')}")
-    cacheable = request.prompt_token_ids is not None and request.prompt_embeds is None
+    # Multimodal prompts share placeholder tokens across different images: their KV is not
+    # a function of the token ids, so they are never looked up or stored.
+    cacheable = (request.prompt_token_ids is not None and request.prompt_embeds is None
+                 and not getattr(request, "mm_features", None))
     return RequestInfo(
         req_id=request.request_id,
         tokens=tuple(request.prompt_token_ids or ()) if cacheable else (),

@@ -18,6 +18,7 @@ from kvtier.keys import Namespace
 from kvtier.vllm.metadata import PayloadLayout
 
 PAYLOAD_FORMAT = "vllm-pages-v1"
+_FULL_KV_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 _SAMPLE = 1 << 20
 
 
@@ -57,6 +58,12 @@ def kv_spec(kv_cache_config: Any) -> Any:
     if len(groups) != 1:
         raise ConfigError(
             f"kvtier supports models with one KV cache group; this one has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ not in _FULL_KV_SPECS:
+        # Sliding-window and state-space caches free or rewrite blocks behind the prompt:
+        # a block id there is not the KV of its tokens.
+        raise ConfigError(f"kvtier supports full-attention KV caches; this model's is "
+                          f"{type(spec).__name__}")
     return groups[0]
 
 
@@ -93,6 +100,11 @@ def namespace(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int,
         "page_bytes": str(layout.page_bytes),
         "payload": PAYLOAD_FORMAT,
         "generation": str(generation),
+        # Anything else that changes the KV bytes for the same tokens and weights files.
+        "quantization": str(getattr(mc, "quantization", None)),
+        "hf_overrides": repr(getattr(mc, "hf_overrides", None)),
+        "kv_spec": type(spec).__name__,
+        "sliding_window": str(getattr(spec, "sliding_window", None)),
     }
     return Namespace(
         model=model_id or str(mc.model),

@@ -35,13 +35,14 @@ class LeaseStatusLike(Protocol):
 
 
 class HelloLike(Protocol):
-    arena_name: str
+    @property
+    def arena_id(self) -> str: ...
 
 
 class ClientLike(Protocol):
     """The part of :class:`kvtier.client.KvtierClient` the scheduler side uses."""
 
-    def connect(self) -> HelloLike: ...
+    def connect(self, *, refresh: bool = False) -> HelloLike: ...
     def lookup(self, keys: Sequence[ChunkKey], *, namespace: str = "", prompt_tokens: int = 0,
                chunk_tokens: int = 0) -> list[str]: ...
     def lease(self, keys: Sequence[ChunkKey]) -> LeaseLike: ...
@@ -99,7 +100,7 @@ class ServerLink:
         return result
 
     def arena_name(self) -> str | None:
-        return self._call("hello", lambda: self.client.connect().arena_name, None)
+        return self._call("hello", lambda: self.client.connect().arena_id, None)
 
     def lookup(self, keys: Sequence[ChunkKey], namespace: str, prompt_tokens: int,
                chunk_tokens: int) -> list[str]:

@@ -177,9 +177,7 @@ class CudaCopier:
     def attach(self, arena: np.ndarray) -> None:
         """Pin the arena mapping once (again when the server restarted with a new arena)."""
         span = (arena.ctypes.data, arena.nbytes)
-        if self._registered == span:
-            return
-        self.detach()
+        self.detach()  # the caller attaches only a new mapping: never trust an old span
         rc = torch.cuda.cudart().cudaHostRegister(span[0], span[1], 0)
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of the kvtier arena failed (error {int(rc)})")

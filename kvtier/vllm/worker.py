@@ -38,11 +38,12 @@ class ArenaLike(Protocol):
 
 
 class HelloLike(Protocol):
-    arena_name: str
+    @property
+    def arena_id(self) -> str: ...
 
 
 class WorkerClient(Protocol):
-    def connect(self) -> HelloLike: ...
+    def connect(self, *, refresh: bool = False) -> HelloLike: ...
     @property
     def arena(self) -> ArenaLike: ...
     def close(self) -> None: ...
@@ -87,11 +88,13 @@ class WorkerSide:
         if self.copier is None or not name:
             return None
         try:
-            if self.client.connect().arena_name != name:
+            if self.client.connect().arena_id != name:
                 # Our connection may predate a server restart (a worker only talks to the
-                # server at handshake): shake hands again before giving up on the job.
-                self.client.close()
-                if self.client.connect().arena_name != name:
+                # server at handshake): let go of the old mapping (pinned memory first),
+                # shake hands again, and give up on the job only if it still differs.
+                self.copier.detach()
+                self._attached = None
+                if self.client.connect(refresh=True).arena_id != name:
                     return None
             arena = self.client.arena
             if arena is not self._attached:
@@ -190,8 +193,10 @@ class WorkerSide:
     def flush_stores(self) -> None:
         """Wait for stores still reading KV blocks (before vLLM may overwrite them)."""
         for event, keys in self._pending_stores:
-            event.synchronize()
-            self._stored(keys, 0.0)
+            if _finished(event, wait=True):
+                self._stored(keys, 0.0)
+            else:
+                self._report.failed += keys
         self._pending_stores.clear()
 
     # ------------------------------------------------------------------ reporting
@@ -199,14 +204,20 @@ class WorkerSide:
     def _poll(self) -> None:
         still: list[tuple[Any, LoadJob]] = []
         for event, job in self._pending_loads:
-            if event.query():
+            done = _finished(event)
+            if done is None:
+                self._fail_load(job)
+            elif done:
                 self._load_done(job, 0.0)
             else:
                 still.append((event, job))
         self._pending_loads = still
         stores: list[tuple[Any, list[bytes]]] = []
         for event, keys in self._pending_stores:
-            if event.query():
+            done = _finished(event)
+            if done is None:
+                self._report.failed += keys
+            elif done:
                 self._stored(keys, 0.0)
             else:
                 stores.append((event, keys))
@@ -236,3 +247,16 @@ class WorkerSide:
             except Exception:
                 log.exception("kvtier worker shutdown")
         self.client.close()
+
+
+def _finished(event: Any, wait: bool = False) -> bool | None:
+    """Whether a copy's event completed; ``None`` if the device reported an error (the copy
+    counts as failed: vLLM recomputes, it is not handed an exception)."""
+    try:
+        if wait:
+            event.synchronize()
+            return True
+        return bool(event.query())
+    except Exception:
+        log.exception("kvtier copy failed on the device")
+        return None
