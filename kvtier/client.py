@@ -39,6 +39,7 @@ from kvtier.protocol import (
     Lookup,
     LookupReply,
     Release,
+    Report,
     Reserve,
     ReserveReply,
     SetPriority,
@@ -180,6 +181,10 @@ class KvtierClient:
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
         self._call(SetPriority(list(keys), priority), CountReply)
+
+    def report(self, client: str, counters: dict[str, float]) -> int:
+        """Add engine-side counter increments to the server's /metrics."""
+        return self._call(Report(client, counters), CountReply).count
 
     def stats(self) -> dict[str, object]:
         return self._call(Stats(), StatsReply).stats

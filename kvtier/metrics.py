@@ -52,3 +52,6 @@ class StoreMetrics:
         self.protocol_errors = Counter("kvtier_protocol_errors",
                                        "Malformed or oversized messages", registry=r)
         self.clients = Gauge("kvtier_clients", "Connected clients", registry=r)
+        self.engine_events = Counter(
+            "kvtier_engine_events", "Counters reported by engine clients (e.g. the vLLM "
+            "connector's loaded_tokens by tier)", ["client", "event", "tier"], registry=r)

@@ -72,7 +72,16 @@ class Stats(msgspec.Struct, tag="stats"):
     pass
 
 
-Request = Hello | Lookup | Reserve | Commit | Abort | Lease | Wait | Release | SetPriority | Stats
+class Report(msgspec.Struct, tag="report"):
+    """Counter increments from an engine client (``name`` or ``name|tier`` -> amount), so the
+    node's /metrics shows what engines saw, not only what the server did."""
+
+    client: str
+    counters: dict[str, float]
+
+
+Request = (Hello | Lookup | Reserve | Commit | Abort | Lease | Wait | Release | SetPriority
+           | Stats | Report)
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -34,6 +35,7 @@ from kvtier.protocol import (
     LookupReply,
     Release,
     Reply,
+    Report,
     Request,
     Reserve,
     ReserveReply,
@@ -45,6 +47,7 @@ from kvtier.protocol import (
 from kvtier.store import TieredStore
 
 log = logging.getLogger("kvtier.server")
+_LABEL = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_WAIT_S = 60.0
 
 
@@ -110,12 +113,29 @@ class Service:
                 return CountReply(len(request.keys))
             case Stats():
                 return StatsReply(store.stats())
+            case Report():
+                return CountReply(self._report(request))
             case Hello():
                 if request.version != PROTOCOL_VERSION:
                     raise ValueError(f"client speaks protocol {request.version}, this server "
                                      f"speaks {PROTOCOL_VERSION}: upgrade one of them")
                 return self.hello()
         raise ValueError(f"unsupported request {type(request).__name__}")
+
+    def _report(self, request: Report) -> int:
+        items = []
+        for key, value in request.counters.items():
+            event, _, tier = key.partition("|")
+            labels = (request.client, event, tier) if tier else (request.client, event)
+            bad = [label for label in labels if not _LABEL.fullmatch(label)]
+            if bad:
+                raise ValueError(f"report: {bad[0]!r} is not a name of 1-64 [A-Za-z0-9_.:-]")
+            if not 0 <= value < 1e15:
+                raise ValueError(f"report: {key} must be a non-negative increment")
+            items.append((event, tier, value))
+        for event, tier, value in items:  # all or nothing
+            self.store.metrics.engine_events.labels(request.client, event, tier).inc(value)
+        return len(items)
 
     def hello(self) -> HelloReply:
         arena = self.store.arena

@@ -47,11 +47,19 @@ class Counters:
 
     def __init__(self) -> None:
         self._data: dict[str, float] = {}
+        self._unreported: dict[str, float] = {}
 
     def add(self, name: str, value: float = 1, tier: str | None = None) -> None:
         if value:
             k = key(name, tier)
             self._data[k] = self._data.get(k, 0) + value
+            self._unreported[k] = self._unreported.get(k, 0) + value
+
+    def take_unreported(self) -> dict[str, float]:
+        """Increments since the last call: what the node server has not been told yet
+        (independent of ``take``, which feeds vLLM's own stats)."""
+        data, self._unreported = self._unreported, {}
+        return data
 
     def take(self) -> dict[str, float]:
         data, self._data = self._data, {}

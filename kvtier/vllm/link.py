@@ -53,6 +53,7 @@ class ClientLike(Protocol):
     def commit(self, keys: Sequence[ChunkKey]) -> int: ...
     def abort(self, keys: Sequence[ChunkKey]) -> int: ...
     def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None: ...
+    def report(self, client: str, counters: dict[str, float]) -> int: ...
     def close(self) -> None: ...
 
 
@@ -131,6 +132,9 @@ class ServerLink:
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
         self._call("set_priority", lambda: self.client.set_priority(keys, priority), None)
+
+    def report(self, client: str, counters: dict[str, float]) -> None:
+        self._call("report", lambda: self.client.report(client, counters), 0)
 
     def close(self) -> None:
         self.client.close()

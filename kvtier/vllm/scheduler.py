@@ -37,6 +37,9 @@ from kvtier.vllm.tracking import (
     RequestInfo,
 )
 
+REPORT_EVERY_S = 1.0
+"""How often the scheduler side adds its counters to the node server's /metrics."""
+
 
 @dataclass(frozen=True)
 class ScheduledReq:
@@ -76,6 +79,7 @@ class SchedulerSide:
         self._loads: dict[str, ReqState] = {}
         self._pending: dict[bytes, _Pending] = {}
         self._link_failures_seen = 0
+        self._reported_at = 0.0
 
     # ------------------------------------------------------------------ admission
 
@@ -169,7 +173,18 @@ class SchedulerSide:
         self._device_hits(step)
         plan.stores = self._stores(step)
         self._count_link_failures()
+        self._report(now)
         return plan
+
+    def _report(self, now: float, force: bool = False) -> None:
+        """Tell the node server what this engine saw: at most once per REPORT_EVERY_S while
+        steps run, and when a request finishes (an idle engine stops stepping)."""
+        if (now - self._reported_at < REPORT_EVERY_S and not force) or not self.link.available:
+            return
+        self._reported_at = now
+        counters = self.counters.take_unreported()
+        if counters:
+            self.link.report(f"vllm-{self.ns.short[:8]}", counters)
 
     def _try_emit(self, st: ReqState, now: float) -> LoadJob | None:
         load = st.load
@@ -324,6 +339,7 @@ class SchedulerSide:
         options = st.info.options
         if options.priority is not None and st.keys:
             self.link.set_priority(st.keys, options.priority)
+        self._report(self.clock(), force=True)
         return None if st.accounting is None else {"kvtier": st.accounting.as_params()}
 
     def reset_keys(self) -> None:

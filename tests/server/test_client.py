@@ -240,3 +240,18 @@ def test_a_server_removes_arenas_left_by_dead_servers(make_server: MakeServer) -
     finally:
         mine.close()
         mine.unlink()
+
+
+def test_engine_counters_reach_the_servers_metrics(server: NodeServer,
+                                                   client: KvtierClient) -> None:
+    assert client.report("vllm-abc", {"loaded_tokens|arena": 512, "stored_chunks": 3}) == 2
+    registry = server.metrics.registry
+    sample = registry.get_sample_value
+    labels = {"client": "vllm-abc", "event": "loaded_tokens", "tier": "arena"}
+    assert sample("kvtier_engine_events_total", labels) == 512
+    with pytest.raises(RequestRejected, match="not a name"):
+        client.report("vllm abc; drop", {"stored_chunks": 1})
+    with pytest.raises(RequestRejected, match="non-negative"):
+        client.report("vllm-abc", {"stored_chunks": 1, "loaded_tokens|disk": -5})
+    stored = {"client": "vllm-abc", "event": "stored_chunks", "tier": ""}
+    assert sample("kvtier_engine_events_total", stored) == 3  # all or nothing

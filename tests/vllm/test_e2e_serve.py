@@ -124,6 +124,9 @@ def test_counters_reach_both_metrics_endpoints(served: Served) -> None:
     assert "vllm:kvtier_stored_chunks_total" in vllm_metrics
     server_metrics = _get(f"http://127.0.0.1:{served.metrics_port}/metrics")
     assert 'kvtier_hits_total{tier="arena"}' in server_metrics
+    # ... and the connector's own counters, reported to the node server
+    assert re.search(r'kvtier_engine_events_total\{client="vllm-[0-9a-f]{8}",'
+                     r'event="loaded_tokens",tier="arena"\} [1-9]', server_metrics)
 
 
 def test_stopping_serve_stops_vllm_and_frees_the_arena(served: Served) -> None:
