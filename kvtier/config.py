@@ -179,9 +179,13 @@ class ServerConfig:
         return cls.from_dict(data)
 
 
+def runtime_dir() -> str:
+    """Where kvtier's sockets live by default: $XDG_RUNTIME_DIR or /tmp/kvtier-UID."""
+    return os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
+
+
 def default_socket_path() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return os.path.join(base, "kvtier.sock")
+    return os.path.join(runtime_dir(), "kvtier.sock")
 
 
 def parse(cls: type[T], data: object, where: str) -> T:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import tempfile
@@ -137,8 +138,6 @@ def _bench_disk(tmp: Path, payload: int, n: int, repeats: int
     tier = DiskTier.from_config("disk", tier_cfg)
     plain_dir = tmp / "plain"
     plain_dir.mkdir()
-    import mmap
-
     buf = mmap.mmap(-1, size)
     view = memoryview(buf)
     np.frombuffer(buf, dtype=np.uint8)[HEADER_SIZE:] = 7

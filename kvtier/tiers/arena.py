@@ -27,6 +27,7 @@ from collections import deque
 import numpy as np
 
 from kvtier.errors import ConfigError, IntegrityError
+from kvtier.processes import alive
 
 SHM_DIR = "/dev/shm"
 
@@ -178,20 +179,10 @@ def sweep_stale() -> list[str]:
         parts = name[len(prefix):].split("-")
         if not name.startswith(prefix) or len(parts) != 2 or not parts[0].isdigit():
             continue
-        if _alive(int(parts[0])):
+        if alive(int(parts[0])):
             continue
         with contextlib.suppress(FileNotFoundError, PermissionError):
             if os.stat(shm_path(name)).st_uid == os.getuid():
                 os.unlink(shm_path(name))
                 removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -31,6 +31,7 @@ from kvtier import codec
 from kvtier.config import TierConfig, parse
 from kvtier.errors import ConfigError, CorruptChunkError, TierFull, TierIOError
 from kvtier.keys import KEY_BYTES, ChunkKey
+from kvtier.processes import alive
 from kvtier.tiers.base import LowerTier, StoredChunk
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -201,7 +202,7 @@ class DiskTier(LowerTier):
         pid = int(parts[1])
         if pid == os.getpid():  # pids repeat across restarts (pid 1 in a container)
             return parts[2].startswith(self._token)
-        return _alive(pid)
+        return alive(pid)
 
     def _walk_chunks(self) -> Iterator[tuple[str, ChunkKey | None]]:
         """Every entry under chunks/ with its key, or ``None`` where it is not a chunk file."""
@@ -293,18 +294,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _hex(key: ChunkKey) -> str:

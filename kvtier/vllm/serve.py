@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 from kvtier import logs
-from kvtier.config import ServerConfig, parse_size
+from kvtier.config import ServerConfig, parse_size, runtime_dir
 from kvtier.errors import ConfigError
 from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.sizing import estimate_payload_len
@@ -268,5 +268,4 @@ def default_disk_path() -> Path:
 
 
 def _default_socket() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return os.path.join(base, f"serve-{os.getpid()}.sock")
+    return os.path.join(runtime_dir(), f"serve-{os.getpid()}.sock")
