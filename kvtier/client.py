@@ -5,8 +5,13 @@ Every call either returns the server's answer or raises:
 - :class:`~kvtier.errors.ServerUnavailable` when the server cannot be reached (not started,
   gone, timed out). The connection is dropped; the next call reconnects. Engines turn this into
   misses (and skipped stores): the cache is an accelerator, never a dependency.
-- :class:`~kvtier.errors.RequestRejected` when the server refused the request (the message
-  says why); the connection stays usable.
+- :class:`~kvtier.errors.RequestRejected` when the request was refused (``.code`` says by
+  what rule, the message why): by the server, or before sending when an argument can never
+  be valid (a NaN timeout). The connection stays usable.
+
+Every operation of :mod:`kvtier.protocol` is sent with :meth:`KvtierClient.call`; the named
+methods are shorthands for it. A client object has one session: after a reconnect it still
+owns the leases and reservations it took (within the server's ``orphan_grace_s``).
 
 The client is thread-safe (one request at a time on its socket). Payloads move through the
 arena: ``payload_view(slot, n)`` is a numpy view of a slot's payload region, no copy.
@@ -15,21 +20,21 @@ arena: ``payload_view(slot, n)`` is a numpy view of a slot's payload region, no 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Sequence
-from typing import TypeVar
 
-import msgspec
 import numpy as np
 
 from kvtier.errors import ProtocolError, RequestRejected, ServerUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.protocol import (
+    MAX_WAIT_S,
     Abort,
     Commit,
-    CountReply,
     Error,
     Hello,
     HelloReply,
@@ -38,13 +43,13 @@ from kvtier.protocol import (
     LeaseStatus,
     Lookup,
     LookupReply,
+    Op,
+    R,
     Release,
     Report,
     Reserve,
-    ReserveReply,
     SetPriority,
     Stats,
-    StatsReply,
     Wait,
     decode_reply,
     encode,
@@ -52,10 +57,9 @@ from kvtier.protocol import (
 )
 from kvtier.tiers.arena import ArenaMapping
 
-R = TypeVar("R")
 MAX_REPLY_BYTES = 64 << 20
 
-__all__ = ["KvtierClient", "LeaseReply", "LeaseStatus"]
+__all__ = ["KvtierClient", "LeaseReply", "LeaseStatus", "LookupReply"]
 
 
 class KvtierClient:
@@ -64,6 +68,7 @@ class KvtierClient:
         self.socket_path = socket_path
         self.name = name
         self.timeout_s = timeout_s
+        self.session = secrets.token_hex(16)
         self._sock: socket.socket | None = None
         self._hello: HelloReply | None = None
         self._arena: ArenaMapping | None = None
@@ -81,7 +86,7 @@ class KvtierClient:
         with self._lock:
             if refresh and self._sock is not None:
                 with contextlib.suppress(ServerUnavailable):  # dropped: reopened below
-                    self._hello = self._roundtrip(Hello(self.name, os.getpid()), HelloReply)
+                    self._hello = self._roundtrip(self._hello_message())
             if self._sock is None or self._hello is None:
                 self._open()
             assert self._hello is not None
@@ -97,12 +102,15 @@ class KvtierClient:
             raise ServerUnavailable(
                 f"kvtier server not reachable at {self.socket_path}: {exc}") from exc
         self._sock = sock
-        hello = self._roundtrip(Hello(self.name, os.getpid()), HelloReply)
+        hello = self._roundtrip(self._hello_message())
         if self._arena is not None and (self._hello is None
                                         or self._hello.instance != hello.instance):
             self._arena.close()  # the server restarted: a new arena, maybe under the same name
             self._arena = None
         self._hello = hello
+
+    def _hello_message(self) -> Hello:
+        return Hello(self.name[:200], os.getpid(), session=self.session)
 
     def close(self) -> None:
         with self._lock:
@@ -150,56 +158,64 @@ class KvtierClient:
 
     # ------------------------------------------------------------------ requests
 
+    def call(self, request: Op[R], extra_timeout: float = 0.0) -> R:
+        """Send any operation and return its reply (see the module docstring for errors)."""
+        with self._lock:
+            if self._sock is None:
+                self._open()
+            return self._roundtrip(request, extra_timeout)
+
     def lookup(self, keys: Sequence[ChunkKey], *, namespace: str = "", prompt_tokens: int = 0,
                chunk_tokens: int = 0) -> list[str]:
-        reply = self._call(Lookup(list(keys), namespace, prompt_tokens, chunk_tokens),
-                           LookupReply)
-        return reply.tiers
+        return self.lookup_hit(keys, namespace=namespace, prompt_tokens=prompt_tokens,
+                               chunk_tokens=chunk_tokens).tiers
+
+    def lookup_hit(self, keys: Sequence[ChunkKey], *, namespace: str = "",
+                   prompt_tokens: int = 0, chunk_tokens: int = 0) -> LookupReply:
+        """Tiers of the available prefix with each chunk's estimated arrival."""
+        return self.call(Lookup(list(keys), namespace, prompt_tokens, chunk_tokens))
 
     def lease(self, keys: Sequence[ChunkKey]) -> LeaseReply:
-        return self._call(Lease(list(keys)), LeaseReply)
+        return self.call(Lease(list(keys)))
 
     def wait(self, lease_id: int, timeout_s: float) -> LeaseStatus:
-        return self._call(Wait(lease_id, timeout_s), LeaseStatus, extra_timeout=timeout_s)
+        if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s)
+                and timeout_s >= 0):
+            raise RequestRejected(f"bad_request: timeout_s must be a finite number >= 0, "
+                                  f"got {timeout_s!r}", code="bad_request")
+        timeout_s = min(float(timeout_s), MAX_WAIT_S)
+        return self.call(Wait(lease_id, timeout_s), extra_timeout=timeout_s)
 
     def poll(self, lease_id: int) -> LeaseStatus:
-        return self._call(Wait(lease_id, 0.0), LeaseStatus)
+        return self.call(Wait(lease_id, 0.0))
 
     def release(self, lease_id: int) -> None:
-        self._call(Release(lease_id), CountReply)
+        self.call(Release(lease_id))
 
     def reserve(self, namespace_fp: bytes, keys: Sequence[ChunkKey], *, payload_len: int,
                 tokens: int, priority: int = 35, first_index: int = 0) -> list[int | None]:
         request = Reserve(namespace_fp, list(keys), payload_len, tokens, priority, first_index)
-        return self._call(request, ReserveReply).slots
+        return self.call(request).slots
 
     def commit(self, keys: Sequence[ChunkKey]) -> int:
-        return self._call(Commit(list(keys)), CountReply).count
+        return self.call(Commit(list(keys))).count
 
     def abort(self, keys: Sequence[ChunkKey]) -> int:
-        return self._call(Abort(list(keys)), CountReply).count
+        return self.call(Abort(list(keys))).count
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
-        self._call(SetPriority(list(keys), priority), CountReply)
+        self.call(SetPriority(list(keys), priority))
 
     def report(self, client: str, counters: dict[str, float]) -> int:
         """Add engine-side counter increments to the server's /metrics."""
-        return self._call(Report(client, counters), CountReply).count
+        return self.call(Report(client, counters)).count
 
     def stats(self) -> dict[str, object]:
-        return self._call(Stats(), StatsReply).stats
+        return self.call(Stats()).stats
 
     # ------------------------------------------------------------------ transport
 
-    def _call(self, request: msgspec.Struct, expect: type[R], extra_timeout: float = 0.0
-              ) -> R:
-        with self._lock:
-            if self._sock is None:
-                self._open()
-            return self._roundtrip(request, expect, extra_timeout)
-
-    def _roundtrip(self, request: msgspec.Struct, expect: type[R], extra_timeout: float = 0.0
-                   ) -> R:
+    def _roundtrip(self, request: Op[R], extra_timeout: float = 0.0) -> R:
         sock = self._sock
         assert sock is not None
         try:
@@ -213,10 +229,14 @@ class KvtierClient:
             self._drop()
             raise ServerUnavailable(f"kvtier server at {self.socket_path}: {exc}") from exc
         if isinstance(reply, Error):
-            if reply.code == "protocol":
-                self._drop()
-            raise RequestRejected(f"{reply.code}: {reply.message}")
-        if not isinstance(reply, expect):
+            if reply.code in ("protocol", "version", "busy"):
+                self._drop()  # the server closed this connection
+            if reply.code in ("busy",):
+                raise ServerUnavailable(f"kvtier server at {self.socket_path}: "
+                                        f"{reply.message}")
+            raise RequestRejected(f"{reply.code}: {reply.message}", code=reply.code)
+        if not isinstance(reply, type(request).REPLY):
             self._drop()
-            raise ServerUnavailable(f"unexpected reply {type(reply).__name__}")
-        return reply
+            raise ServerUnavailable(f"unexpected reply {type(reply).__name__} to "
+                                    f"{type(request).__name__}")
+        return reply  # type: ignore[return-value]

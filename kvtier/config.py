@@ -60,6 +60,10 @@ def _size(default: int | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"parse": parse_size}, **kw)
 
 
+def _optional_size(value: object, where: str) -> int | None:
+    return None if value is None else parse_size(value, where)
+
+
 def _admission(value: object, where: str) -> tuple[tuple[str, int], ...]:
     """``{after_uses: 2, min_priority: 50}`` (every rule must pass) or ``always``."""
     from kvtier.policies import ADMISSION
@@ -114,6 +118,31 @@ class ArenaConfig:
 
 
 @dataclass(frozen=True)
+class BreakerConfig:
+    """When a lower tier is bypassed (see :mod:`kvtier.store.breaker`)."""
+
+    enabled: bool = True
+    errors: int = 5
+    """Failures within ``window_s`` that open the breaker..."""
+    error_ratio: float = 0.5
+    """...provided they are at least this share of the operations in the window."""
+    window_s: float = 30.0
+    latency_budget_s: float = 2.0
+    """An operation (one chunk's read, write or delete) slower than this is a failure."""
+    cooldown_s: float = 10.0
+    """An open breaker waits this long, then a probe (write, read, delete) decides."""
+
+    def __post_init__(self) -> None:
+        if self.errors < 1:
+            raise ConfigError("breaker.errors must be at least 1")
+        if not 0.0 <= self.error_ratio <= 1.0:
+            raise ConfigError("breaker.error_ratio must be in [0, 1]")
+        for name in ("window_s", "latency_budget_s", "cooldown_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"breaker.{name} must be positive")
+
+
+@dataclass(frozen=True)
 class TierConfig:
     """A tier below the arena. ``options`` are checked by the tier class itself."""
 
@@ -124,11 +153,20 @@ class TierConfig:
     admission: tuple[tuple[str, int], ...] = field(default=(), metadata={"parse": _admission})
     write_policy: Literal["through", "back"] = "through"
     io_threads: int = 2
+    io_timeout_s: float = 30.0
+    """A chunk read, write or delete not finished by then is given up (its waiters fail,
+    the breaker counts it); the thread it hangs in is replaced."""
+    keep_free_bytes: int | None = field(default=None, metadata={"parse": _optional_size})
+    """Free space left to others on the backing filesystem (default: 1% of it, at least
+    one chunk). The tier never promises more than the filesystem holds."""
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.io_threads <= 64:
             raise ConfigError("io_threads must be in [1, 64]")
+        if self.io_timeout_s <= 0:
+            raise ConfigError("io_timeout_s must be positive")
         if not self.name:
             object.__setattr__(self, "name", self.type)
         if self.name == "arena" or not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
@@ -147,6 +185,13 @@ class ServerConfig:
     """A client that disconnects keeps its leases and reservations this long: another
     process it gave the slot numbers to (an engine worker) may still be copying."""
     max_message_bytes: int = _size(16 << 20)
+    max_clients: int = 256
+    """Connections beyond this are refused at once (each holds a server thread)."""
+    frame_timeout_s: float = 5.0
+    """A message, once its first byte arrived, must arrive whole within this time; the
+    first message (the hello) within this time of connecting."""
+    max_report_series: int = 1000
+    """Distinct (client, event, tier) series engines may add to /metrics."""
     access_log: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
@@ -158,6 +203,9 @@ class ServerConfig:
             raise ConfigError("lease_ttl_s must be positive")
         if self.orphan_grace_s < 0:
             raise ConfigError("orphan_grace_s cannot be negative")
+        if self.max_clients < 1 or self.max_report_series < 0 or self.frame_timeout_s <= 0:
+            raise ConfigError("max_clients must be >= 1, max_report_series >= 0 and "
+                              "frame_timeout_s > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in [0, 65535] (0 picks a free port)")
         names = [tier.name for tier in self.tiers]

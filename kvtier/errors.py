@@ -7,6 +7,8 @@ exceptions. What remains is drawn here::
     ├── ConfigError(ValueError)          bad configuration: names the key and what is allowed
     ├── UnknownBackendError(KeyError)    a registry name that does not exist: lists the known ones
     ├── BackendUnavailableError(ImportError)  an optional dependency is missing (says what to add)
+    ├── InvalidRequest(ValueError)       a request's arguments are wrong: says what is allowed;
+    │                                    nothing stored was changed
     ├── ProtocolError                    a malformed, oversized or unexpected control message
     ├── ClientError                      raised to engine-side clients
     │   ├── ServerUnavailable            the node server cannot be reached (turn into misses)
@@ -41,6 +43,10 @@ class BackendUnavailableError(KvtierError, ImportError):
     """A registered backend needs an optional dependency that is not installed."""
 
 
+class InvalidRequest(KvtierError, ValueError):
+    """A request's arguments are invalid (a client's mistake); nothing was changed."""
+
+
 class ProtocolError(KvtierError):
     """A control message could not be decoded, was too large, or made no sense."""
 
@@ -54,7 +60,12 @@ class ServerUnavailable(ClientError):
 
 
 class RequestRejected(ClientError):
-    """The server answered with an error; the message says why."""
+    """The request was refused; ``code`` names the rule (``bad_request``, ``internal``,
+    ``version``, ``protocol``) and the message says why."""
+
+    def __init__(self, message: str, *, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class TierError(KvtierError):

@@ -52,6 +52,20 @@ class StoreMetrics:
         self.protocol_errors = Counter("kvtier_protocol_errors",
                                        "Malformed or oversized messages", registry=r)
         self.clients = Gauge("kvtier_clients", "Connected clients", registry=r)
+        self.io_timeouts = Counter("kvtier_io_timeouts", "Chunk I/O given up after the "
+                                   "tier's io_timeout_s", ["tier", "direction"], registry=r)
+        self.breaker_state = Gauge("kvtier_breaker_state", "Circuit breaker of a lower tier: "
+                                   "0 closed, 1 half-open (probing), 2 open (bypassed)",
+                                   ["tier"], registry=r)
+        self.breaker_transitions = Counter("kvtier_breaker_transitions", "Breaker changes, "
+                                           "by the state entered", ["tier", "to"], registry=r)
+        self.read_estimate = Gauge("kvtier_read_estimate_seconds", "Moving average of one "
+                                   "chunk's read from a tier (0: unknown)", ["tier"], registry=r)
+        self.lock_hold_max = Gauge("kvtier_lock_hold_max_seconds", "Longest hold of the store "
+                                   "lock, by operation", ["op"], registry=r)
+        self.internal_errors = Counter("kvtier_internal_errors", "Requests that failed inside "
+                                       "the server (a bug: logged with its traceback)", ["op"],
+                                       registry=r)
         self.engine_events = Counter(
             "kvtier_engine_events", "Counters reported by engine clients (e.g. the vLLM "
             "connector's loaded_tokens by tier)", ["client", "event", "tier"], registry=r)

@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -23,11 +22,12 @@ import numpy as np
 from kvtier.client import KvtierClient
 from kvtier.codec import HEADER_SIZE, stored_size
 from kvtier.config import ServerConfig
-from kvtier.entry import ItemState
 from kvtier.keys import ChunkKey
 from kvtier.metrics import StoreMetrics
 from kvtier.server import NodeServer
 from kvtier.store import TieredStore
+from kvtier.store.iopool import IOPool
+from kvtier.store.records import ItemState
 
 NS = hashlib.sha256(b"kvtier tests").digest()
 SLOT_BYTES = 8192
@@ -145,9 +145,10 @@ def settle(store: TieredStore) -> None:
     assert store.flush()
     for state in store.tiers:
         threads = state.config.io_threads
-        barrier = threading.Barrier(threads)
-        for future in [state.executor.submit(barrier.wait, 10.0) for _ in range(threads)]:
-            future.result()
+        barrier = threading.Barrier(threads + 1)
+        for _ in range(threads):
+            state.pool.submit(lambda _job, b=barrier: b.wait(10.0))
+        barrier.wait(10.0)
 
 
 def disk_files(root: Path) -> dict[str, Path]:
@@ -156,11 +157,11 @@ def disk_files(root: Path) -> dict[str, Path]:
 
 
 @contextmanager
-def stalled(executor: ThreadPoolExecutor, threads: int) -> Iterator[None]:
+def stalled(pool: IOPool, threads: int) -> Iterator[None]:
     """Keep every I/O thread of a tier busy until the block ends (jobs queue up behind)."""
     go = threading.Event()
     for _ in range(threads):
-        executor.submit(go.wait, 10.0)
+        pool.submit(lambda _job: go.wait(10.0))
     try:
         yield
     finally:

@@ -23,7 +23,8 @@ from store_helpers import (
 )
 
 from kvtier.codec import HEADER_SIZE
-from kvtier.entry import ItemState
+from kvtier.errors import InvalidRequest
+from kvtier.store.records import ItemState
 
 # ---------------------------------------------------------------------- lookup
 
@@ -217,9 +218,9 @@ def test_lease_pins_slots_until_released(tmp_path: Path, make_store: MakeStore) 
     assert sample(store, "kvtier_leases_active") == 2
     store.release(first.lease_id)
     assert int(store.arena.leases[slot]) == 1
-    with pytest.raises(KeyError, match=f"no open lease {first.lease_id}"):
+    with pytest.raises(InvalidRequest, match=f"no open lease {first.lease_id}"):
         store.release(first.lease_id)
-    with pytest.raises(KeyError, match="no open lease"):
+    with pytest.raises(InvalidRequest, match="no open lease"):
         store.wait(first.lease_id, 0.0)
     store.release(second.lease_id)
     assert int(store.arena.leases.sum()) == 0
@@ -270,12 +271,12 @@ def test_leases_and_reservations_expire_after_their_ttl(tmp_path: Path, make_sto
     assert int(store.arena.leases[lease.items[0].slot]) == 1
     assert sample(store, "kvtier_leases_expired_total", kind="lease") == 1
     assert sample(store, "kvtier_leases_expired_total", kind="reservation") == 2
-    with pytest.raises(KeyError):
+    with pytest.raises(InvalidRequest):
         store.release(lease.lease_id)
 
     clock.now += 5
     store.expire()
-    assert store.leases == {}
+    assert len(store.leases) == 0
     assert int(store.arena.leases.sum()) == 0
     store_chunks(store, keys(3, "new"))  # every slot is reusable: k0 was evicted for these
     assert store.lookup(k) == []

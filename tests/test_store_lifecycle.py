@@ -20,7 +20,7 @@ from store_helpers import (
 )
 
 from kvtier.client import KvtierClient
-from kvtier.errors import RequestRejected
+from kvtier.errors import InvalidRequest, RequestRejected
 from kvtier.protocol import Error, Hello, decode_reply, encode, read_frame
 
 
@@ -103,7 +103,7 @@ def test_only_the_reserving_client_commits_or_releases(tmp_path: Path,
     assert store.abort(k[:1], owner=2) == 0
     assert store.commit(k, owner=1) == 2
     record = store.lease(1, k)
-    with pytest.raises(KeyError, match="of this client"):
+    with pytest.raises(InvalidRequest, match="of this client"):
         store.release(record.lease_id, owner=2)
     store.release(record.lease_id, owner=1)
     store.check_integrity()

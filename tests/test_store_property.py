@@ -40,9 +40,9 @@ from store_helpers import (
 )
 
 from kvtier.codec import HEADER_SIZE
-from kvtier.entry import ItemState, Where
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.store.records import ItemState, Where
 
 SLOTS = 6
 DISK_BYTES = 8 * CHUNK_BYTES

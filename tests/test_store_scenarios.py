@@ -30,9 +30,9 @@ from store_helpers import (
 )
 
 from kvtier.codec import HEADER_SIZE, verify
-from kvtier.entry import ItemState, Where
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.store.records import ItemState, Where
 
 DISK = 16 * CHUNK_BYTES
 
@@ -116,12 +116,12 @@ def test_a_slot_written_back_and_through_at_once_waits_for_both(
     back, through = store.tiers
     k = keys(1)
     store_chunks(store, k)
-    with stalled(through.executor, through.config.io_threads):
-        with stalled(back.executor, back.config.io_threads):
+    with stalled(through.pool, through.config.io_threads):
+        with stalled(back.pool, back.config.io_threads):
             assert store_chunks(store, keys(1, "x")) == [None]  # K leaves: written back first
             assert store_chunks(store, k) == [None]  # offered again: admitted to "through"
             assert store.entries[k[0]].writing == {"back", "through"}
-        assert wait_until(lambda: "back" in store.entries[k[0]].lower)
+        assert wait_until(lambda: k[0] in back)
         store.check_integrity()
         assert store_chunks(store, keys(1, "y")) == [None], "K's slot is still being read"
     assert store.flush()
@@ -204,7 +204,7 @@ def test_a_chunk_is_not_written_while_its_delete_is_queued(tmp_path: Path,
     for chunk in (k, j):
         store_chunks(store, chunk)
         assert store.flush()
-    with stalled(store.tiers[0].executor, store.tiers[0].config.io_threads):
+    with stalled(store.tiers[0].pool, store.tiers[0].config.io_threads):
         store_chunks(store, x)  # K's delete and X's write are queued
         assert store_chunks(store, k) == [None]
         assert store.entries[k[0]].writing == set(), "no write of K behind its delete"
@@ -234,7 +234,7 @@ def on_disk_only(tmp_path: Path, make_store: MakeStore, n: int = 1, **kw: object
 
 def test_a_disk_hit_is_staged_through_the_arena(tmp_path: Path, make_store: MakeStore) -> None:
     store, k = on_disk_only(tmp_path, make_store, io_threads=1)
-    with stalled(store.tiers[0].executor, 1):
+    with stalled(store.tiers[0].pool, 1):
         lease = store.lease(1, k)
         assert [(i.tier, i.state) for i in lease.items] == [("disk", ItemState.PENDING)]
         assert not lease.done

@@ -159,7 +159,7 @@ def _bench_disk(tmp: Path, payload: int, n: int, repeats: int
 
     def tier_read(_i: int) -> None:
         for key in keys:
-            tier.read_into(key, view)
+            tier.read_into(key, view, namespace=NS)
 
     def plain_read(_i: int) -> None:
         for j in range(n):

@@ -144,6 +144,31 @@ class EvictionPolicy(Generic[K]):
             del self._priority[key]
         return [key for _, key in chosen]
 
+    def evict_bytes(self, need: int, size_of: Callable[[K], int],
+                    protected: Callable[[K], bool] = lambda _: False) -> list[K] | None:
+        """Unprotected victims whose sizes add up to at least ``need``, lowest priority
+        first, forgotten; or ``None`` (and nothing changes) when all of them are too few.
+
+        Walks the eviction order lazily, so the cost is the victims, not the tier's size.
+        """
+        chosen: list[tuple[int, K]] = []
+        freed = 0
+        for priority in sorted(self._buckets):
+            for key in self._buckets[priority].victims():
+                if freed >= need:
+                    break
+                if not protected(key):
+                    chosen.append((priority, key))
+                    freed += size_of(key)
+            if freed >= need:
+                break
+        if freed < need:
+            return None
+        for priority, key in chosen:
+            self._buckets[priority].evicted(key)
+            del self._priority[key]
+        return [key for _, key in chosen]
+
     def order(self) -> list[K]:
         """Every tracked key in eviction order (for tests and admin views)."""
         return [k for p in sorted(self._buckets) for k in self._buckets[p].victims()]

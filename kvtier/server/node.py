@@ -20,8 +20,18 @@ from typing import Any
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError, ProtocolError
 from kvtier.metrics import StoreMetrics
-from kvtier.protocol import Error, decode_request, encode, read_frame
-from kvtier.server.service import Service
+from kvtier.protocol import (
+    PROTOCOL_VERSION,
+    Error,
+    Hello,
+    InvalidMessage,
+    Reply,
+    decode_request,
+    encode,
+    read_frame,
+)
+from kvtier.server.service import Caller, Service
+from kvtier.server.sessions import Sessions
 from kvtier.store import TieredStore
 from kvtier.tiers import arena
 
@@ -37,6 +47,7 @@ class NodeServer:
         self.arena_name = config.arena.name or arena.default_name()
         self.store: TieredStore | None = None
         self.service: Service | None = None
+        self.sessions: Sessions | None = None
         self.metrics_port: int | None = None
         self._listener: socket.socket | None = None
         self._conns: dict[int, socket.socket] = {}
@@ -56,7 +67,9 @@ class NodeServer:
             self.store = TieredStore(self.config, arena_name=self.arena_name,
                                      metrics=self.metrics)
             self.store.rebuild()
-            self.service = Service(self.store, self.config.access_log)
+            self.service = Service(self.store, self.config.access_log,
+                                   self.config.max_report_series)
+            self.sessions = Sessions(self.store, self.config.orphan_grace_s)
             self._start_metrics()
         except BaseException:
             self._listener.close()
@@ -140,34 +153,90 @@ class NodeServer:
                 log.warning("accept failed (%s); retrying", exc)  # e.g. out of descriptors
                 time.sleep(0.1)
                 continue
+            if len(self._conns) >= self.config.max_clients:
+                self._refuse(conn, Error("busy", f"the server serves at most "
+                                                 f"{self.config.max_clients} connections"))
+                continue
             conn_id = next(self._conn_ids)
             self._conns[conn_id] = conn
             self.metrics.clients.set(len(self._conns))
             threading.Thread(target=self._serve, args=(conn, conn_id), daemon=True,
                              name=f"kvtier-conn-{conn_id}").start()
 
+    def _refuse(self, conn: socket.socket, error: Error) -> None:
+        self.metrics.protocol_errors.inc()
+        with contextlib.suppress(OSError):
+            conn.settimeout(1.0)
+            conn.sendall(encode(error))
+        conn.close()
+
     def _serve(self, conn: socket.socket, conn_id: int) -> None:
-        assert self.service is not None and self.store is not None
-        limit = self.config.max_message_bytes
+        assert self.service is not None and self.sessions is not None
+        caller: Caller | None = None
         try:
-            while not self._stop.is_set():
-                body = read_frame(conn, limit)
-                if body is None:
-                    break
-                reply = self.service.handle(conn_id, decode_request(body))
-                conn.sendall(encode(reply))
+            caller = self._handshake(conn, conn_id)
+            if caller is not None:
+                self._converse(conn, conn_id, caller)
         except ProtocolError as exc:
             self.metrics.protocol_errors.inc()
             log.warning("client %d sent a bad message, disconnecting: %s", conn_id, exc)
             with contextlib.suppress(OSError):
                 conn.sendall(encode(Error("protocol", str(exc))))
+        except TimeoutError:
+            log.info("client %d: a message was not completed within %g s; disconnecting",
+                     conn_id, self.config.frame_timeout_s)
         except OSError:
-            pass  # the client went away mid-message; its leases are dropped below
+            pass  # the client went away mid-message; its session ends below
         finally:
             self._conns.pop(conn_id, None)
             self.metrics.clients.set(len(self._conns))
-            self.store.drop_owner(conn_id)
+            if caller is not None:
+                self.sessions.detach(caller.session, caller.owner)
             conn.close()
+
+    def _handshake(self, conn: socket.socket, conn_id: int) -> Caller | None:
+        """The first message must be a hello this server accepts; otherwise the connection
+        gets an error and is closed (returns None)."""
+        assert self.service is not None and self.sessions is not None
+        conn.settimeout(self.config.frame_timeout_s)  # the hello comes promptly, or never
+        body = read_frame(conn, self.config.max_message_bytes)
+        if body is None:
+            return None
+        try:
+            hello = decode_request(body)
+        except InvalidMessage as exc:
+            raise ProtocolError(str(exc)) from exc
+        if not isinstance(hello, Hello):
+            raise ProtocolError(f"the first message must be a hello, not "
+                                f"{type(hello).__name__.lower()}")
+        if hello.version != PROTOCOL_VERSION:
+            self.metrics.protocol_errors.inc()
+            conn.sendall(encode(Error("version", f"client speaks protocol {hello.version}, "
+                                                 f"this server speaks {PROTOCOL_VERSION}: "
+                                                 "upgrade one of them")))
+            return None
+        caller = Caller(self.sessions.attach(hello.session), hello.session)
+        conn.settimeout(None)  # between messages a client may be idle for as long as it likes
+        conn.sendall(encode(self.service.hello()))
+        return caller
+
+    def _converse(self, conn: socket.socket, conn_id: int, caller: Caller) -> None:
+        assert self.service is not None
+        limit, timeout = self.config.max_message_bytes, self.config.frame_timeout_s
+        while not self._stop.is_set():
+            body = read_frame(conn, limit, frame_timeout_s=timeout)
+            if body is None:
+                return
+            reply: Reply
+            try:
+                request = decode_request(body)
+            except InvalidMessage as exc:
+                reply = Error("bad_request", str(exc))
+            else:
+                reply = self.service.handle(caller, request)
+            conn.settimeout(timeout)  # a client that does not read its replies is cut off
+            conn.sendall(encode(reply))
+            conn.settimeout(None)
 
     # ------------------------------------------------------------------ background
 
@@ -175,7 +244,9 @@ class NodeServer:
         assert self.store is not None
         while not self._stop.wait(HOUSEKEEPING_S):
             try:
-                self.store.expire()
+                self.store.housekeeping()
+                if self.sessions is not None:
+                    self.sessions.forget_idle()
             except Exception:  # keep the server alive; the next round retries
                 log.exception("housekeeping failed")
 

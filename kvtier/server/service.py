@@ -1,8 +1,14 @@
-"""Turns decoded requests into store calls and replies (one instance per server).
+"""Turns decoded requests into store calls and replies: one handler per operation.
 
-Bad input from a client (a malformed value, an unknown lease) gets an ``Error`` reply that
-says what was wrong; it never changes what is already stored. Only a frame that cannot be
-decoded at all closes the connection (the stream can no longer be trusted).
+Handlers are registered against the request types of :mod:`kvtier.protocol`; the table
+must cover every type in ``REQUESTS`` (checked at import), so client and server cannot drift.
+
+- A client's mistake (:class:`~kvtier.errors.InvalidRequest`: an unknown lease, repeated
+  keys, a payload too big) gets ``Error("bad_request")`` saying what was wrong; nothing
+  stored changed, because every operation checks its input before it changes anything.
+- Anything else is a server bug: ``Error("internal")``, logged with its traceback, counted
+  (``kvtier_internal_errors_total``), and the store's books are checked at once so a bug
+  that broke them is reported, not left to corrupt later answers.
 """
 
 from __future__ import annotations
@@ -14,14 +20,16 @@ import re
 import secrets
 import threading
 import time
-from typing import IO
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any, TypeVar
 
 from kvtier import __version__
 from kvtier.codec import HEADER_SIZE
-from kvtier.entry import ItemState, LeaseRecord
-from kvtier.keys import KEY_BYTES, ChunkKey
+from kvtier.errors import IntegrityError, InvalidRequest
 from kvtier.protocol import (
-    PROTOCOL_VERSION,
+    MAX_WAIT_S,
+    REQUESTS,
     Abort,
     Commit,
     CountReply,
@@ -33,10 +41,10 @@ from kvtier.protocol import (
     LeaseStatus,
     Lookup,
     LookupReply,
+    Op,
     Release,
     Reply,
     Report,
-    Request,
     Reserve,
     ReserveReply,
     SetPriority,
@@ -45,23 +53,45 @@ from kvtier.protocol import (
     Wait,
 )
 from kvtier.store import TieredStore
+from kvtier.store.records import ItemState, LeaseRecord
 
 log = logging.getLogger("kvtier.server")
 _LABEL = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-MAX_WAIT_S = 60.0
+
+OpT = TypeVar("OpT", bound=Op[Any])
+Handler = Callable[["Service", "Caller", Any], Reply]
+_HANDLERS: dict[type[Op[Any]], Handler] = {}
 
 
-def _keys(raw: list[bytes]) -> list[ChunkKey]:
-    for item in raw:
-        if len(item) != KEY_BYTES:
-            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got one of {len(item)}")
-    return [ChunkKey(item) for item in raw]
+HandlerOf = Callable[["Service", "Caller", OpT], Reply]
+
+
+def handles(op: type[OpT]) -> Callable[[HandlerOf[OpT]], HandlerOf[OpT]]:
+    """Register the handler of one request type."""
+    def register(fn: HandlerOf[OpT]) -> HandlerOf[OpT]:
+        if op in _HANDLERS:
+            raise TypeError(f"two handlers for {op.__name__}")
+        _HANDLERS[op] = fn
+        return fn
+    return register
+
+
+@dataclass
+class Caller:
+    """Who sent a request: the owner its session acts for, and its session token."""
+
+    owner: int
+    session: str
 
 
 class Service:
-    def __init__(self, store: TieredStore, access_log: str | None = None) -> None:
+    def __init__(self, store: TieredStore, access_log: str | None = None,
+                 max_report_series: int = 1000) -> None:
         self.store = store
         self.instance = secrets.token_hex(8)
+        self.max_report_series = max_report_series
+        self._series: set[tuple[str, str, str]] = set()
+        self._series_lock = threading.Lock()
         self._log_file: IO[str] | None = None
         self._log_lock = threading.Lock()
         if access_log:
@@ -69,83 +99,113 @@ class Service:
             fd = os.open(access_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._log_file = os.fdopen(fd, "a", buffering=1)
 
-    def handle(self, owner: int, request: Request) -> Reply:
+    def handle(self, caller: Caller, request: Op[Any]) -> Reply:
         op = type(request).__name__.lower()
         start = time.perf_counter()
         try:
-            return self._dispatch(owner, request)
-        except (ValueError, KeyError) as exc:
-            message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-            return Error("bad_request", message)
-        except Exception as exc:  # the server must outlive any one request
-            log.exception("request %s failed", op)
+            return _HANDLERS[type(request)](self, caller, request)
+        except InvalidRequest as exc:
+            return Error("bad_request", str(exc))
+        except Exception as exc:  # a bug: the server must outlive it, and say so
+            log.exception("request %s failed inside the server", op)
+            self.store.metrics.internal_errors.labels(op).inc()
+            self._check_books(op)
             return Error("internal", f"{type(exc).__name__}: {exc}")
         finally:
             self.store.metrics.op_seconds.labels(op).observe(time.perf_counter() - start)
 
-    def _dispatch(self, owner: int, request: Request) -> Reply:
-        store = self.store
-        match request:
-            case Lookup():
-                tiers = store.lookup(_keys(request.keys))
-                if self._log_file is not None and request.namespace:
-                    self._access(request, tiers)
-                return LookupReply(tiers)
-            case Lease():
-                return self._lease_reply(store.lease(owner, _keys(request.keys)))
-            case Wait():
-                timeout = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
-                return _status(store.wait(request.lease_id, timeout, owner))
-            case Release():
-                store.release(request.lease_id, owner)
-                return CountReply(1)
-            case Reserve():
-                slots = store.reserve(owner, request.namespace_fp, _keys(request.keys),
-                                      payload_len=request.payload_len, tokens=request.tokens,
-                                      priority=request.priority, first_index=request.first_index)
-                return ReserveReply(slots)
-            case Commit():
-                return CountReply(store.commit(_keys(request.keys), owner))
-            case Abort():
-                return CountReply(store.abort(_keys(request.keys), owner))
-            case SetPriority():
-                store.set_priority(_keys(request.keys), request.priority)
-                return CountReply(len(request.keys))
-            case Stats():
-                return StatsReply(store.stats())
-            case Report():
-                return CountReply(self._report(request))
-            case Hello():
-                if request.version != PROTOCOL_VERSION:
-                    raise ValueError(f"client speaks protocol {request.version}, this server "
-                                     f"speaks {PROTOCOL_VERSION}: upgrade one of them")
-                return self.hello()
-        raise ValueError(f"unsupported request {type(request).__name__}")
-
-    def _report(self, request: Report) -> int:
-        items = []
-        for key, value in request.counters.items():
-            event, _, tier = key.partition("|")
-            labels = (request.client, event, tier) if tier else (request.client, event)
-            bad = [label for label in labels if not _LABEL.fullmatch(label)]
-            if bad:
-                raise ValueError(f"report: {bad[0]!r} is not a name of 1-64 [A-Za-z0-9_.:-]")
-            if not 0 <= value < 1e15:
-                raise ValueError(f"report: {key} must be a non-negative increment")
-            items.append((event, tier, value))
-        for event, tier, value in items:  # all or nothing
-            self.store.metrics.engine_events.labels(request.client, event, tier).inc(value)
-        return len(items)
+    def _check_books(self, op: str) -> None:
+        try:
+            self.store.check_integrity()
+        except IntegrityError as exc:
+            log.critical("after the failed %s the store's books disagree: %s", op, exc)
 
     def hello(self) -> HelloReply:
         arena = self.store.arena
         return HelloReply(__version__, arena.name, arena.num_slots, arena.slot_bytes,
                           HEADER_SIZE, self.store.config.lease_ttl_s, self.instance)
 
-    def _lease_reply(self, record: LeaseRecord) -> LeaseReply:
+    # ------------------------------------------------------------------ handlers
+
+    @handles(Hello)
+    def _hello(self, caller: Caller, request: Hello) -> Reply:
+        if request.session != caller.session:
+            raise InvalidRequest("a connection keeps the session of its first hello")
+        return self.hello()
+
+    @handles(Lookup)
+    def _lookup(self, caller: Caller, request: Lookup) -> Reply:
+        hit = self.store.lookup_hit(request.keys)
+        if self._log_file is not None and request.namespace:
+            self._access(request, hit.tiers)
+        return LookupReply(hit.tiers, hit.arrival_s)
+
+    @handles(Lease)
+    def _lease(self, caller: Caller, request: Lease) -> Reply:
+        record = self.store.lease(caller.owner, request.keys)
         status = _status(record)
         return LeaseReply(record.lease_id, [i.slot for i in record.items],
                           [i.tier for i in record.items], all(status.ready))
+
+    @handles(Wait)
+    def _wait(self, caller: Caller, request: Wait) -> Reply:
+        timeout = min(request.timeout_s, MAX_WAIT_S)
+        return _status(self.store.wait(request.lease_id, timeout, caller.owner))
+
+    @handles(Release)
+    def _release(self, caller: Caller, request: Release) -> Reply:
+        self.store.release(request.lease_id, caller.owner)
+        return CountReply(1)
+
+    @handles(Reserve)
+    def _reserve(self, caller: Caller, request: Reserve) -> Reply:
+        slots = self.store.reserve(caller.owner, request.namespace_fp, request.keys,
+                                   payload_len=request.payload_len, tokens=request.tokens,
+                                   priority=request.priority, first_index=request.first_index)
+        return ReserveReply(slots)
+
+    @handles(Commit)
+    def _commit(self, caller: Caller, request: Commit) -> Reply:
+        return CountReply(self.store.commit(request.keys, caller.owner))
+
+    @handles(Abort)
+    def _abort(self, caller: Caller, request: Abort) -> Reply:
+        return CountReply(self.store.abort(request.keys, caller.owner))
+
+    @handles(SetPriority)
+    def _set_priority(self, caller: Caller, request: SetPriority) -> Reply:
+        self.store.set_priority(request.keys, request.priority)
+        return CountReply(len(request.keys))
+
+    @handles(Stats)
+    def _stats(self, caller: Caller, request: Stats) -> Reply:
+        return StatsReply(self.store.stats())
+
+    @handles(Report)
+    def _report(self, caller: Caller, request: Report) -> Reply:
+        items = []
+        for key, value in request.counters.items():
+            event, _, tier = key.partition("|")
+            labels = (request.client, event, tier) if tier else (request.client, event)
+            bad = [label for label in labels if not _LABEL.fullmatch(label)]
+            if bad:
+                raise InvalidRequest(f"report: {bad[0]!r} is not a name of 1-64 "
+                                     "[A-Za-z0-9_.:-]")
+            if not 0 <= value < 1e15:
+                raise InvalidRequest(f"report: {key} must be a non-negative increment")
+            items.append((request.client, event, tier, value))
+        with self._series_lock:  # all or nothing
+            new = {item[:3] for item in items} - self._series
+            if len(self._series) + len(new) > self.max_report_series:
+                raise InvalidRequest(f"report: the server keeps at most "
+                                     f"{self.max_report_series} reported series; "
+                                     f"{len(new)} new ones refused")
+            self._series |= new
+        for client, event, tier, value in items:
+            self.store.metrics.engine_events.labels(client, event, tier).inc(value)
+        return CountReply(len(items))
+
+    # ------------------------------------------------------------------ access log
 
     def _access(self, request: Lookup, tiers: list[str]) -> None:
         line = json.dumps({
@@ -167,3 +227,8 @@ def _status(record: LeaseRecord) -> LeaseStatus:
     ready = [i.state is ItemState.READY for i in record.items]
     failed = [i.state is ItemState.FAILED for i in record.items]
     return LeaseStatus(ready, failed, record.done)
+
+
+_missing = [op.__name__ for op in REQUESTS if op not in _HANDLERS]
+if _missing:
+    raise TypeError(f"operations without a handler: {_missing}")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvtier.registry import Registry
-from kvtier.tiers.base import LowerTier, StoredChunk
+from kvtier.tiers.base import LowerTier, Space, StoredChunk
 
 TIERS: Registry[LowerTier] = Registry("tier type")
 TIERS.register("disk", "kvtier.tiers.disk:DiskTier")
 
-__all__ = ["TIERS", "LowerTier", "StoredChunk"]
+__all__ = ["TIERS", "LowerTier", "Space", "StoredChunk"]

@@ -1,4 +1,4 @@
-"""The contract of a storage tier below the arena (disk now; fs, s3, redis later).
+"""The contract of a storage tier below the arena (disk, and the shared fs, s3, redis).
 
 A lower tier stores whole chunks in the stored format of :mod:`kvtier.codec` (header page +
 payload, page padded) under their key. It is *only* storage: which chunks it holds, its
@@ -9,9 +9,13 @@ Data never passes through Python ``bytes``: writes take a memoryview of an arena
 land in one. Every method may be called from the store's I/O threads concurrently, for
 different keys; the store never writes and deletes the same key at once.
 
+Chunks are named by namespace and key (a shared tier keeps each namespace apart, so its
+usage can be listed and budgeted per namespace); a write finds both in the chunk's header.
+
 Errors: a missing chunk is a return value (``None``). Failures of the backing store raise
 :class:`~kvtier.errors.TierIOError` (or a subclass) *from* the original exception. Checksums
-are verified by the store, not here.
+are verified by the store, not here. Calls may block (a hung mount): the store bounds them
+with its own timeout (``io_timeout_s``) and never calls a tier under its lock.
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ class StoredChunk:
     mtime: float
     """Last write time; rebuilds insert chunks into the eviction policy oldest first."""
     priority: int
+    namespace: bytes
+    """The namespace fingerprint the chunk belongs to (32 bytes)."""
+
+
+@dataclass(frozen=True)
+class Space:
+    """Room on a tier's backing filesystem (``statvfs``), for capacity learning."""
+
+    free: int
+    """Bytes this process may still write."""
+    total: int
 
 
 class LowerTier(ABC):
@@ -59,7 +74,7 @@ class LowerTier(ABC):
         """
 
     @abstractmethod
-    def read_into(self, key: ChunkKey, dst: memoryview) -> int | None:
+    def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
         """Read the chunk stored under ``key`` into the start of ``dst``.
 
         Returns the number of bytes read, or ``None`` if the tier does not hold ``key``.
@@ -67,11 +82,11 @@ class LowerTier(ABC):
         """
 
     @abstractmethod
-    def delete(self, key: ChunkKey) -> None:
+    def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         """Remove ``key``; a missing key is not an error. Raises TierIOError."""
 
     @abstractmethod
-    def quarantine(self, key: ChunkKey) -> None:
+    def quarantine(self, key: ChunkKey, *, namespace: bytes) -> None:
         """Move a chunk that failed verification out of the way (kept for inspection,
         never served again). A missing key is not an error."""
 
@@ -79,6 +94,11 @@ class LowerTier(ABC):
     def scan(self) -> Iterator[StoredChunk]:
         """Every chunk the tier holds, for rebuilding the index after a restart. Cleans up
         leftovers of interrupted writes on the way."""
+
+    def space(self) -> Space | None:
+        """Room left on the backing filesystem, or ``None`` where that is not a question
+        (object stores: their budget is kvtier's ``capacity_bytes``)."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Static facts for the admin view and logs (never secrets)."""

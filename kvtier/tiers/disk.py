@@ -32,7 +32,7 @@ from kvtier.config import TierConfig, parse
 from kvtier.errors import ConfigError, CorruptChunkError, TierFull, TierIOError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.processes import alive
-from kvtier.tiers.base import LowerTier, StoredChunk
+from kvtier.tiers.base import LowerTier, Space, StoredChunk
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -77,11 +77,14 @@ class DiskTier(LowerTier):
         self._quarantine = os.path.join(self.root, "quarantine")
         self._token = secrets.token_hex(4)  # tells this instance's temp files from leftovers
         try:
-            for directory in (self._chunks, self._tmp, self._quarantine):
-                os.makedirs(directory, mode=0o700, exist_ok=True)
+            self._make_folders()
         except OSError as exc:
             raise ConfigError(f"{where}.path: cannot use {self.root!r}: {exc}") from exc
         self.o_direct = self._choose_o_direct(where)
+
+    def _make_folders(self) -> None:
+        for directory in (self._chunks, self._tmp, self._quarantine):
+            os.makedirs(directory, mode=0o700, exist_ok=True)
 
     def _choose_o_direct(self, where: str) -> bool:
         if self.options.o_direct == "off":
@@ -101,7 +104,11 @@ class DiskTier(LowerTier):
         tmp = os.path.join(self._tmp, f"{hexkey}.{os.getpid()}.{nonce}.tmp")
         with _os_errors(f"writing {hexkey}"):
             try:
-                self._write_file(tmp, view)
+                try:
+                    self._write_file(tmp, view)
+                except FileNotFoundError:  # the folder was removed under us: make it again
+                    self._make_folders()
+                    self._write_file(tmp, view)
                 try:
                     os.replace(tmp, final)
                 except FileNotFoundError:  # first chunk in this shard: make it, try once more
@@ -131,7 +138,7 @@ class DiskTier(LowerTier):
         finally:
             os.close(fd)
 
-    def read_into(self, key: ChunkKey, dst: memoryview) -> int | None:
+    def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
         view = memoryview(dst).cast("B")
         hexkey = _hex(key)
         direct = self.o_direct and _page_aligned(view)
@@ -153,12 +160,12 @@ class DiskTier(LowerTier):
             finally:
                 os.close(fd)
 
-    def delete(self, key: ChunkKey) -> None:
+    def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         hexkey = _hex(key)
         with _os_errors(f"deleting {hexkey}"), contextlib.suppress(FileNotFoundError):
             os.unlink(self._chunk_path(hexkey))
 
-    def quarantine(self, key: ChunkKey) -> None:
+    def quarantine(self, key: ChunkKey, *, namespace: bytes) -> None:
         hexkey = _hex(key)
         with _os_errors(f"quarantining {hexkey}"), contextlib.suppress(FileNotFoundError):
             self._move_to_quarantine(self._chunk_path(hexkey))
@@ -175,6 +182,13 @@ class DiskTier(LowerTier):
                     continue
                 if found is not None:
                     yield found
+
+    def space(self) -> Space | None:
+        try:
+            info = os.statvfs(self.root)
+        except OSError:
+            return None
+        return Space(free=info.f_bavail * info.f_frsize, total=info.f_blocks * info.f_frsize)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self.root, "o_direct": self.o_direct,
@@ -249,7 +263,7 @@ def _inspect(path: str, key: ChunkKey) -> StoredChunk | None:
         return None
     if header.key != key or stat.st_size < codec.stored_size(header.payload_len):
         return None
-    return StoredChunk(key, stat.st_size, stat.st_mtime, header.priority)
+    return StoredChunk(key, stat.st_size, stat.st_mtime, header.priority, header.namespace_fp)
 
 
 def _read_fully(fd: int, view: memoryview) -> int:

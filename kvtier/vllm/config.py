@@ -62,6 +62,10 @@ class ConnectorConfig:
     """After the server was unreachable, calls are skipped (misses) for this long."""
     load: bool = True
     store: bool = True
+    load_or_recompute: bool = True
+    """Skip the tail of a hit that would arrive later than recomputing it."""
+    prefill_tokens_per_s: float = 0.0
+    """This engine's prefill speed for that decision; 0 measures it from its own steps."""
     model_id: str | None = None
     """Overrides the model identity in chunk keys (e.g. the same checkpoint at two paths)."""
     faults: FaultConfig = field(default_factory=FaultConfig)
@@ -78,6 +82,8 @@ class ConnectorConfig:
         for name in ("load_timeout_s", "client_timeout_s", "retry_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.prefill_tokens_per_s < 0:
+            raise ConfigError("prefill_tokens_per_s must be >= 0 (0: measured)")
         if self.server is not None:
             self.server_config(payload_len=_PLACEHOLDER_SLOT - HEADER_SIZE)  # validate early
 

@@ -14,12 +14,13 @@ failed or late, server gone) on, every block is reported failed and vLLM recompu
 
 from __future__ import annotations
 
-from kvtier.vllm.link import LeaseLike, ServerLink
+from kvtier.protocol import LeaseReply, Wait
+from kvtier.vllm.link import ServerLink
 from kvtier.vllm.metadata import LoadJob
 from kvtier.vllm.tracking import ChunkLoad, HitPlan, LoadState
 
 
-def chunk_loads(plan: HitPlan, lease: LeaseLike | None, block_ids: list[int],
+def chunk_loads(plan: HitPlan, lease: LeaseReply | None, block_ids: list[int],
                 block_size: int, blocks_per_chunk: int) -> list[ChunkLoad]:
     """The blocks to fill for each planned chunk, with the slot it was leased in."""
     first_block = plan.local_tokens // block_size
@@ -41,7 +42,7 @@ def readiness(load: LoadState, link: ServerLink, now: float) -> list[bool] | Non
     leased = [c.slot is not None for c in load.chunks]
     if load.lease_id is None or load.lease_ready:
         return leased
-    status = link.poll(load.lease_id)
+    status = link.call(Wait(load.lease_id, 0.0), None)
     if status is None:
         return [False] * len(leased)
     if not status.done and now < load.deadline:

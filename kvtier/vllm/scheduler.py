@@ -12,6 +12,8 @@ Rules it keeps (vLLM 0.32's contract, see docs/vllm.md):
   reports it, which it always does, also for a failed, late or aborted load.
 - A chunk that cannot be served (vanished, corrupt, promotion late, server down) is reported
   as failed blocks; vLLM (``kv_load_failure_policy="recompute"``) recomputes from there.
+- Load or recompute: the tail of a hit that would arrive later than recomputing it is not
+  loaded (:mod:`kvtier.vllm.recompute`); its tokens are counted as skipped, by tier.
 - Stores: each step, the full prompt chunks that step computes are reserved; workers copy
   them after the forward; a chunk is committed once every rank confirmed it, else aborted.
 """
@@ -23,11 +25,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.protocol import (
+    Abort,
+    Commit,
+    Lease,
+    LeaseReply,
+    Lookup,
+    Release,
+    Report,
+    Reserve,
+    SetPriority,
+)
 from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.counters import Counters
-from kvtier.vllm.link import LeaseLike, ServerLink
+from kvtier.vllm.link import ServerLink
 from kvtier.vllm.loads import chunk_loads, make_job, readiness
 from kvtier.vllm.metadata import LoadJob, PayloadLayout, StepPlan, StoreJob, WorkerReport
+from kvtier.vllm.recompute import PrefillMeter, choose
 from kvtier.vllm.tracking import (
     Accounting,
     ChunkLoad,
@@ -75,6 +89,7 @@ class SchedulerSide:
         self.link = link
         self.clock = clock
         self.counters = Counters()
+        self.prefill = PrefillMeter(min_tokens=config.chunk_tokens)
         self._reqs: dict[str, ReqState] = {}
         self._loads: dict[str, ReqState] = {}
         self._pending: dict[bytes, _Pending] = {}
@@ -102,13 +117,25 @@ class SchedulerSide:
         start = num_computed // self.chunk_tokens
         if start >= len(keys):
             return 0
-        tiers = self.link.lookup(keys[start:], self.ns.short, len(st.info.tokens),
-                                 self.chunk_tokens)
-        plan = HitPlan(num_computed, start, tiers)
-        if not tiers or plan.hit_tokens(self.chunk_tokens) <= 0:
+        reply = self.link.call(Lookup(keys[start:], self.ns.short, len(st.info.tokens),
+                                      self.chunk_tokens), None)
+        if reply is None or not reply.tiers:
+            return 0
+        choice = choose(reply.tiers, reply.arrival_s, start_chunk=start,
+                        local_tokens=num_computed, chunk_tokens=self.chunk_tokens,
+                        prefill_tokens_per_s=self._prefill_speed())
+        plan = HitPlan(num_computed, start, choice.tiers, choice.skipped)
+        if plan.hit_tokens(self.chunk_tokens) <= 0:
+            if plan.skipped:  # nothing worth loading: remembered for the request's books
+                st.plan = plan
             return 0
         st.plan = plan
         return plan.hit_tokens(self.chunk_tokens)
+
+    def _prefill_speed(self) -> float | None:
+        if not self.cfg.load_or_recompute:
+            return None
+        return self.cfg.prefill_tokens_per_s or self.prefill.tokens_per_s()
 
     def after_alloc(self, req_id: str, block_ids: list[int], num_external: int) -> None:
         """vLLM allocated blocks; with ``num_external > 0`` lease and plan the load."""
@@ -119,6 +146,8 @@ class SchedulerSide:
         first = st.accounting is None
         if first:
             st.accounting = Accounting(len(st.info.tokens))
+        if plan is not None and plan.skipped:
+            self._count_skipped(st, plan, account=first)
         if num_external == 0:
             if first:
                 st.accounting.device_from_schedule = True  # type: ignore[union-attr]
@@ -142,11 +171,18 @@ class SchedulerSide:
         if first:
             st.accounting.device = plan.local_tokens  # type: ignore[union-attr]
 
-    def _lease(self, st: ReqState, plan: HitPlan) -> LeaseLike | None:
+    def _count_skipped(self, st: ReqState, plan: HitPlan, account: bool) -> None:
+        for tier, tokens in plan.skipped.items():
+            self.counters.add("skipped_slower_than_recompute", tokens, tier)
+            if account and st.accounting is not None:
+                skipped = st.accounting.skipped
+                skipped[tier] = skipped.get(tier, 0) + tokens
+
+    def _lease(self, st: ReqState, plan: HitPlan) -> LeaseReply | None:
         if not plan.tiers:
             return None
         keys = self._keys(st)[plan.start_chunk : plan.start_chunk + len(plan.tiers)]
-        lease = self.link.lease(keys)
+        lease = self.link.call(Lease(keys), None)
         for tier in (lease.tiers if lease else []):
             self.counters.add("hit_tokens", self.chunk_tokens, tier)
         return lease
@@ -166,6 +202,7 @@ class SchedulerSide:
     def build_plan(self, step: StepView) -> StepPlan:
         plan = StepPlan()
         now = self.clock()
+        self.prefill.step(now, sum(sr.num_scheduled for sr in step.scheduled))
         for st in list(self._loads.values()):
             job = self._try_emit(st, now)
             if job is not None:
@@ -184,7 +221,7 @@ class SchedulerSide:
         self._reported_at = now
         counters = self.counters.take_unreported()
         if counters:
-            self.link.report(f"vllm-{self.ns.short[:8]}", counters)
+            self.link.call(Report(f"vllm-{self.ns.short[:8]}", counters), None)
 
     def _try_emit(self, st: ReqState, now: float) -> LoadJob | None:
         load = st.load
@@ -247,15 +284,15 @@ class SchedulerSide:
         if end <= start:
             return []
         keys = self._keys(st)[start:end]
-        slots = self.link.reserve(self.ns.fingerprint, keys, payload_len=self.layout.payload_len,
-                                  tokens=self.chunk_tokens, priority=self._priority(st),
-                                  first_index=start)
+        reply = self.link.call(Reserve(self.ns.fingerprint, keys, self.layout.payload_len,
+                                       self.chunk_tokens, self._priority(st), start), None)
+        slots = reply.slots if reply is not None else [None] * len(keys)
         granted = [(start + i, k, s) for i, (k, s) in enumerate(zip(keys, slots, strict=True))
                    if s is not None]
         self.counters.add("skipped_store_chunks", len(keys) - len(granted))
         arena = self.link.arena_name() if granted else None
         if granted and arena is None:
-            self.link.abort([k for _, k, _ in granted])
+            self.link.call(Abort([k for _, k, _ in granted]), None)
             return []
         bpc = self.layout.blocks_per_chunk
         jobs = []
@@ -283,7 +320,7 @@ class SchedulerSide:
         if st is None or st.load is None:
             return
         if st.load.lease_id is not None:
-            self.link.release(st.load.lease_id)
+            self.link.call(Release(st.load.lease_id), None)
         st.load = None
         if st.finished:
             self._reqs.pop(req_id, None)
@@ -319,10 +356,11 @@ class SchedulerSide:
         for key in failed:
             del self._pending[key]
         if commit:
-            self.counters.add("stored_chunks", self.link.commit(commit))
+            reply = self.link.call(Commit(commit), None)
+            self.counters.add("stored_chunks", reply.count if reply is not None else 0)
         if failed:
             self.counters.add("failed_store_chunks", len(failed))
-            self.link.abort(failed)
+            self.link.call(Abort(failed), None)
 
     # ------------------------------------------------------------------ end of a request
 
@@ -338,7 +376,7 @@ class SchedulerSide:
             del self._reqs[req_id]
         options = st.info.options
         if options.priority is not None and st.keys:
-            self.link.set_priority(st.keys, options.priority)
+            self.link.call(SetPriority(st.keys, options.priority), None)
         self._report(self.clock(), force=True)
         return None if st.accounting is None else {"kvtier": st.accounting.as_params()}
 

@@ -37,6 +37,8 @@ class HitPlan:
     local_tokens: int
     start_chunk: int
     tiers: list[str]
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Tokens of the hit not worth loading (slower than recompute), by tier."""
 
     def hit_tokens(self, chunk_tokens: int) -> int:
         return (self.start_chunk + len(self.tiers)) * chunk_tokens - self.local_tokens
@@ -78,6 +80,8 @@ class Accounting:
     device: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
     failed_load: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Hit tokens recomputed because loading them was slower, by tier."""
     stored_chunks: int = 0
     device_from_schedule: bool = False
     """The device hit is read from the first scheduled step (it may include a partial block
@@ -94,6 +98,7 @@ class Accounting:
             "prompt_tokens": self.prompt_tokens,
             "tokens": tokens,
             "failed_load_tokens": self.failed_load,
+            "skipped_slower_than_recompute": dict(self.skipped),
             "stored_chunks": self.stored_chunks,
         }
 

@@ -77,16 +77,21 @@ def test_bad_requests_are_rejected_and_nothing_stored_is_lost(
     client_store(client, k)
     short = ChunkKey(b"short")
     rejected = [
-        (lambda: client.lookup([k[0], short]), "a chunk key is 32 bytes, got one of 5"),
-        (lambda: client.lease([short]), "a chunk key is 32 bytes, got one of 5"),
-        (lambda: client.commit([short]), "a chunk key is 32 bytes, got one of 5"),
+        (lambda: client.lookup([k[0], short]), r"keys\[1\]: expected bytes of length >= 32"),
+        (lambda: client.lease([short]), r"keys\[0\]: expected bytes of length >= 32"),
+        (lambda: client.commit([short]), r"keys\[0\]: expected bytes of length >= 32"),
         (lambda: client.reserve(NS, [keys(1, "new")[0], short], payload_len=PAYLOAD,
-                                tokens=TOKENS), "a chunk key is 32 bytes, got one of 5"),
+                                tokens=TOKENS), r"keys\[1\]: expected bytes of length >= 32"),
         (lambda: client.release(999), "no open lease 999"),
         (lambda: client.wait(999, 0.1), "no open lease 999"),
         (lambda: client.reserve(NS, keys(1, "new"), payload_len=PAYLOAD, tokens=TOKENS,
-                                priority=101), r"priority must be in \[0, 100\], got 101"),
-        (lambda: client.set_priority(k, 101), r"priority must be in \[0, 100\], got 101"),
+                                priority=101), "priority: expected int <= 100"),
+        (lambda: client.set_priority(k, 101), "priority: expected int <= 100"),
+        (lambda: client.lease([k[0], k[1], k[0]]), r"keys\[2\] repeats keys\[0\]"),
+        (lambda: client.lookup([k[1], k[1]]), r"keys\[1\] repeats keys\[0\]"),
+        (lambda: client.commit([k[1], k[1]]), r"keys\[1\] repeats keys\[0\]"),
+        (lambda: client.wait(999, float("nan")), "timeout_s must be a finite number"),
+        (lambda: client.wait(999, -1.0), "timeout_s must be a finite number"),
         (lambda: client.reserve(NS, keys(1, "new"), payload_len=8192, tokens=TOKENS),
          "payload_len 8192 does not fit an arena slot of 8192 bytes"),
     ]
@@ -170,7 +175,7 @@ def test_wait_and_poll_follow_a_load_from_disk(make_server: MakeServer) -> None:
         client_store(client, keys(2, "filler"))
         assert store.flush()
         assert client.lookup(k) == ["disk"]
-        with stalled(store.tiers[0].executor, store.tiers[0].config.io_threads):
+        with stalled(store.tiers[0].pool, store.tiers[0].config.io_threads):
             lease = client.lease(k)
             assert (lease.tiers, lease.ready) == (["disk"], False)
             status = client.poll(lease.lease_id)

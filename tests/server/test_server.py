@@ -35,7 +35,18 @@ from store_helpers import (
 from kvtier.client import KvtierClient
 from kvtier.errors import ConfigError, ServerUnavailable
 from kvtier.keys import ChunkKey
-from kvtier.protocol import Error, Lease, LeaseReply, LookupReply, decode_reply, encode, read_frame
+from kvtier.protocol import (
+    Error,
+    Hello,
+    HelloReply,
+    Lease,
+    LeaseReply,
+    Lookup,
+    LookupReply,
+    decode_reply,
+    encode,
+    read_frame,
+)
 from kvtier.server import EmbeddedServer, NodeServer
 from kvtier.tiers.arena import shm_path
 
@@ -50,10 +61,16 @@ def run_client(script: str, *args: str, stdin: bool = False) -> subprocess.Popen
                             stdin=subprocess.PIPE if stdin else None)
 
 
-def raw_connection(server: NodeServer) -> socket.socket:
+def raw_connection(server: NodeServer, *, hello: bool = True, session: str = ""
+                   ) -> socket.socket:
+    """A bare socket to the server, past the mandatory hello unless ``hello`` is False."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5.0)
     sock.connect(server.socket_path)
+    if hello:
+        sock.sendall(encode(Hello("raw", os.getpid(), session=session)))
+        body = read_frame(sock, 1 << 20)
+        assert body is not None and isinstance(decode_reply(body), HelloReply)
     return sock
 
 
@@ -226,12 +243,13 @@ def test_concurrent_clients_storing_the_same_keys(make_server: MakeServer) -> No
 
 # ---------------------------------------------------------------------- clients that send garbage
 
-def read_error(sock: socket.socket) -> Error:
+def read_error(sock: socket.socket, *, hangs_up: bool = True) -> Error:
     body = read_frame(sock, 1 << 20)
     assert body is not None
     reply = decode_reply(body)
     assert isinstance(reply, Error)
-    assert sock.recv(1) == b"", "the server hung up after the error"
+    if hangs_up:
+        assert sock.recv(1) == b"", "the server hung up after the error"
     return reply
 
 
@@ -255,10 +273,15 @@ def test_a_malformed_frame_is_answered_with_an_error(server: NodeServer) -> None
     still_serving(server)
 
 
-def test_a_reply_sent_as_a_request_is_malformed(server: NodeServer) -> None:
+def test_a_reply_sent_as_a_request_is_refused_and_the_connection_stays(
+        server: NodeServer) -> None:
     with raw_connection(server) as sock:
         sock.sendall(encode(LookupReply(["arena"])))
-        assert read_error(sock).code == "protocol"
+        error = read_error(sock, hangs_up=False)
+        assert error.code == "bad_request" and "lookup_reply" in error.message
+        sock.sendall(encode(Lookup(keys(1))))
+        body = read_frame(sock, 1 << 20)
+        assert body is not None and decode_reply(body) == LookupReply([], [])
     still_serving(server)
 
 

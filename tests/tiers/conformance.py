@@ -48,7 +48,7 @@ def sealed_chunk(key: ChunkKey, payload_len: int = 3 * codec.PAGE + 123, *, seed
 def read_back(tier: LowerTier, key: ChunkKey, size: int) -> memoryview | None:
     """Read ``key`` into a fresh page-aligned buffer of ``size`` bytes; verify what came."""
     dst = page_buffer(size)
-    n = tier.read_into(key, dst)
+    n = tier.read_into(key, dst, namespace=NAMESPACE)
     if n is None:
         return None
     codec.verify(dst[:n], key, NAMESPACE)
@@ -88,11 +88,12 @@ class LowerTierConformance:
         src[:] = data
         tier.write(key, src)
         dst = page_buffer(len(data) + codec.PAGE)[7:]
-        n = tier.read_into(key, dst)
+        n = tier.read_into(key, dst, namespace=NAMESPACE)
         assert n == len(data) and dst[:n] == data
 
     def test_missing_key_reads_none(self, tier: LowerTier) -> None:
-        assert tier.read_into(key_of("never written"), page_buffer(codec.PAGE)) is None
+        missing = key_of("never written")
+        assert tier.read_into(missing, page_buffer(codec.PAGE), namespace=NAMESPACE) is None
 
     def test_overwrite_replaces_the_whole_chunk(self, tier: LowerTier) -> None:
         key = key_of("overwrite")
@@ -129,21 +130,21 @@ class LowerTierConformance:
         key = key_of("delete")
         data = sealed_chunk(key)
         tier.write(key, data)
-        tier.delete(key)
-        assert tier.read_into(key, page_buffer(len(data))) is None
-        tier.delete(key)
-        tier.delete(key_of("never written"))
+        tier.delete(key, namespace=NAMESPACE)
+        assert tier.read_into(key, page_buffer(len(data)), namespace=NAMESPACE) is None
+        tier.delete(key, namespace=NAMESPACE)
+        tier.delete(key_of("never written"), namespace=NAMESPACE)
         assert list(tier.scan()) == []
 
     def test_quarantine_makes_a_key_unreadable(self, tier: LowerTier) -> None:
         key, kept = key_of("bad"), key_of("good")
         tier.write(key, sealed_chunk(key))
         tier.write(kept, sealed_chunk(kept))
-        tier.quarantine(key)
-        assert tier.read_into(key, page_buffer(64 * codec.PAGE)) is None
+        tier.quarantine(key, namespace=NAMESPACE)
+        assert tier.read_into(key, page_buffer(64 * codec.PAGE), namespace=NAMESPACE) is None
         assert [c.key for c in tier.scan()] == [kept]
-        tier.quarantine(key)
-        tier.quarantine(key_of("never written"))
+        tier.quarantine(key, namespace=NAMESPACE)
+        tier.quarantine(key_of("never written"), namespace=NAMESPACE)
 
     def test_scan_lists_exactly_what_was_written(self, tier: LowerTier) -> None:
         assert list(tier.scan()) == []
@@ -152,7 +153,7 @@ class LowerTierConformance:
             key = key_of(f"scan {i}")
             data = sealed_chunk(key, (i + 1) * codec.PAGE - i, seed=i, priority=10 * i)
             expected[key] = (tier.write(key, data), 10 * i)
-        tier.delete(key_of("scan 0"))
+        tier.delete(key_of("scan 0"), namespace=NAMESPACE)
         del expected[key_of("scan 0")]
         found = {c.key: (c.size, c.priority) for c in tier.scan()}
         assert found == expected
@@ -163,7 +164,7 @@ class LowerTierConformance:
         data = sealed_chunk(key)
         tier.write(key, data)
         with pytest.raises(CorruptChunkError):
-            tier.read_into(key, page_buffer(len(data) - codec.PAGE))
+            tier.read_into(key, page_buffer(len(data) - codec.PAGE), namespace=NAMESPACE)
 
     def test_concurrent_writers_and_readers(self, tier: LowerTier) -> None:
         def work(thread: int) -> None:

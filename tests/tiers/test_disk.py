@@ -18,7 +18,14 @@ from kvtier.errors import ConfigError, CorruptChunkError, TierFull
 from kvtier.keys import ChunkKey
 from kvtier.tiers.disk import DiskTier
 
-from .conformance import LowerTierConformance, key_of, page_buffer, read_back, sealed_chunk
+from .conformance import (
+    NAMESPACE,
+    LowerTierConformance,
+    key_of,
+    page_buffer,
+    read_back,
+    sealed_chunk,
+)
 
 
 def disk_tier(path: Path, name: str = "disk", **options: object) -> DiskTier:
@@ -73,7 +80,7 @@ def test_layout_names_files_by_key_hex_only(tmp_path: Path) -> None:
     assert facts["path"] == str(tmp_path / "disk") and facts["fsync"] is True
     assert facts["o_direct"] in (True, False)
     with pytest.raises(ValueError, match="32 bytes"):
-        tier.read_into(ChunkKey(key[:8]), page_buffer(len(data)))
+        tier.read_into(ChunkKey(key[:8]), page_buffer(len(data)), namespace=NAMESPACE)
 
 
 def test_restart_rebuilds_the_same_index(tmp_path: Path) -> None:
@@ -113,7 +120,7 @@ def test_a_flipped_payload_byte_fails_verification(tmp_path: Path) -> None:
         f.seek(codec.HEADER_SIZE + 100)
         f.write(bytes([byte ^ 0x40]))
     dst = page_buffer(len(data))
-    assert tier.read_into(key, dst) == len(data)
+    assert tier.read_into(key, dst, namespace=NAMESPACE) == len(data)
     with pytest.raises(CorruptChunkError, match="payload checksum"):
         codec.verify(dst, key)
 
@@ -135,7 +142,7 @@ def test_scan_quarantines_whatever_is_not_a_chunk(tmp_path: Path) -> None:
     (good_file.parent / f"{key_of('x').hex()}.kvc").symlink_to(good_file)
     assert [c.key for c in tier.scan()] == [good]
     assert len(os.listdir(tmp_path / "disk" / "quarantine")) == 7
-    assert tier.read_into(other, page_buffer(64 * codec.PAGE)) is None
+    assert tier.read_into(other, page_buffer(64 * codec.PAGE), namespace=NAMESPACE) is None
     assert [c.key for c in tier.scan()] == [good]
     assert len(os.listdir(tmp_path / "disk" / "quarantine")) == 7
 
@@ -194,7 +201,7 @@ def test_a_full_disk_raises_tier_full_and_leaves_nothing_behind(tmp_path: Path) 
             tier.write(big, sealed_chunk(big, 1 << 20))
         assert isinstance(info.value, OSError) and isinstance(info.value.__cause__, OSError)
         assert os.listdir(mnt / "disk" / "tmp") == []
-        assert tier.read_into(big, page_buffer(2 << 20)) is None
+        assert tier.read_into(big, page_buffer(2 << 20), namespace=NAMESPACE) is None
         assert [c.key for c in tier.scan()] == [small]
         tier.write(big, sealed_chunk(big, 32 * codec.PAGE))  # space freed: usable again
         tier.close()

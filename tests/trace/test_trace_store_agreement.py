@@ -34,9 +34,9 @@ from store_helpers import CHUNK_BYTES, NS, PAYLOAD, SLOT_BYTES, TOKENS, arena_na
 
 from kvtier.codec import HEADER_SIZE
 from kvtier.config import ServerConfig
-from kvtier.entry import ItemState
 from kvtier.keys import ChunkKey
 from kvtier.store import ARENA, TieredStore
+from kvtier.store.records import ItemState
 from kvtier.tiers.arena import shm_path
 from kvtier.trace.formats import Request
 from kvtier.trace.generate import GenConfig, generate

@@ -1,0 +1,112 @@
+"""The arena's books: its slots, the chunk in each, and their eviction order.
+
+One :class:`~kvtier.store.records.Entry` per chunk holding a slot; a chunk enters with
+:meth:`ArenaIndex.take` (RESERVED or PROMOTING), becomes servable with :meth:`publish` and
+leaves with :meth:`drop` (which frees the slot). Slots of entries that are leased, being
+written below or being promoted are protected: the eviction order never names them::
+
+    entries[key].slot ◄──► arena slot (WRITING or READY)      one to one
+    READY or PROMOTING entries ────► eviction policy           unless demoting
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+
+from kvtier.config import ArenaConfig
+from kvtier.errors import IntegrityError
+from kvtier.keys import ChunkKey
+from kvtier.policies import EvictionPolicy, make_eviction
+from kvtier.store.records import Entry, Where
+from kvtier.tiers.arena import Arena
+
+
+class ArenaIndex:
+    def __init__(self, config: ArenaConfig, name: str) -> None:
+        self.arena = Arena(name, config.num_slots, config.slot_bytes, prefault=config.prefault)
+        self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, config.num_slots)
+        self.entries: dict[ChunkKey, Entry] = {}
+
+    def get(self, key: ChunkKey) -> Entry | None:
+        return self.entries.get(key)
+
+    def take(self, key: ChunkKey, where: Where, priority: int) -> Entry | None:
+        """A free slot for ``key`` (not yet in the arena), or ``None`` when none is free."""
+        if key in self.entries:
+            raise IntegrityError(f"chunk {key.hex()[:16]} already holds a slot")
+        slot = self.arena.alloc()
+        if slot is None:
+            return None
+        entry = Entry(key, slot, where, priority)
+        self.entries[key] = entry
+        return entry
+
+    def join_order(self, entry: Entry) -> None:
+        """Track ``entry`` in the eviction order (a promotion joins it at lease time)."""
+        self.policy.insert(entry.key, entry.priority)
+
+    def publish(self, entry: Entry) -> None:
+        """The slot's payload is complete: the chunk is servable (and evictable)."""
+        if entry.key not in self.policy:
+            self.policy.insert(entry.key, entry.priority)  # first: it may raise, publish not
+        self.arena.publish(entry.slot)
+        entry.where = Where.READY
+
+    def drop(self, entry: Entry) -> None:
+        """The chunk leaves the arena; its slot is free again."""
+        self.arena.free(entry.slot)  # first: it refuses a leased slot
+        self.policy.remove(entry.key)
+        del self.entries[entry.key]
+
+    def pin(self, entry: Entry) -> None:
+        self.arena.lease(entry.slot)
+
+    def unpin(self, slot: int) -> None:
+        self.arena.unlease(slot)
+
+    def victim(self) -> Entry | None:
+        """The chunk the eviction order gives up next (it leaves the order), or ``None``."""
+        victims = self.policy.evict(1, self._protected)
+        return self.entries[victims[0]] if victims else None  # type: ignore[index]
+
+    def _protected(self, key: Hashable) -> bool:
+        entry = self.entries[key]  # type: ignore[index]
+        return (bool(self.arena.leases[entry.slot]) or bool(entry.writing)
+                or entry.where is not Where.READY)
+
+    def touch(self, key: ChunkKey) -> None:
+        self.policy.touch(key)  # a demoting chunk is not in the order: the use is not kept
+
+    def set_priority(self, key: ChunkKey, priority: int) -> None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            entry.priority = priority
+            self.policy.set_priority(key, priority)
+
+    def ready(self) -> Iterator[Entry]:
+        return (e for e in self.entries.values() if e.where is Where.READY)
+
+    @property
+    def free_slots(self) -> int:
+        return self.arena.free_slots
+
+    def check_integrity(self) -> None:
+        self.arena.check_integrity()
+        slots: set[int] = set()
+        for key, e in self.entries.items():
+            if e.slot in slots:
+                raise IntegrityError(f"slot {e.slot} belongs to two chunks")
+            slots.add(e.slot)
+            in_order = e.where is not Where.RESERVED and not e.demoting
+            if in_order != (key in self.policy):
+                raise IntegrityError(f"entry {key.hex()[:16]} ({e.where.value}) and the "
+                                     "arena's eviction order disagree")
+            if e.demoting and not e.writing:
+                raise IntegrityError(f"entry {key.hex()[:16]} is demoting with no write")
+            if (e.where is Where.PROMOTING) != (e.reading is not None):
+                raise IntegrityError(f"entry {key.hex()[:16]}: promotion state is off")
+        if len(self.policy) != sum(1 for k in self.entries if k in self.policy):
+            raise IntegrityError("the arena's eviction order names chunks without a slot")
+        busy = self.arena.num_slots - self.arena.free_slots
+        if busy != len(slots):
+            raise IntegrityError(f"{busy} slots in use but {len(slots)} owned by chunks")

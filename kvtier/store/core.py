@@ -1,0 +1,624 @@
+"""The tiered store's public operations, orchestrating the components that own the state.
+
+::
+
+    TieredStore (this file: the operations; one lock for all)
+      ├── ArenaIndex      arena slots, the chunk in each, their eviction order
+      ├── Holdings        reservations: key -> owner, deadline
+      ├── LeaseTable      leases: id -> items, owner, deadline; waiters per key
+      ├── LowerTierState  per lower tier: books, policy, admission, I/O pool, breaker, speed
+      ├── Writes          arena -> lower tiers (through, back, demotion) and deletes
+      └── Promotions      lower tier -> arena, for leases
+
+Operations clients see:
+
+- ``lookup(keys)``: the tier of each chunk of the longest prefix available now, with the
+  estimated arrival of each (:meth:`lookup_hit`). No side effects. The same predicate
+  (:meth:`_servable`) decides what ``lease`` grants, so a planned hit is a granted one.
+- ``reserve`` -> client writes payloads into the slots -> ``commit`` (or ``abort``): the
+  two-phase store. Commit makes chunks servable and starts write-through copies below.
+- ``lease`` -> (``wait`` while lower-tier chunks are promoted) -> client reads -> ``release``:
+  the two-phase load. A leased or in-flight slot is never evicted or reused.
+- ``drop_owner``/``resume_owner``/``expire``: leases and reservations end after their TTL,
+  or a grace period after their client went away, unless it comes back in time.
+
+Keys in one call must be distinct (a chain of content hashes never repeats); a request that
+breaks a rule raises :class:`~kvtier.errors.InvalidRequest` before anything changes. Lock
+holds are microseconds of dict and policy work; all I/O runs on the tiers' pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvtier.codec import HEADER_SIZE, stored_size
+from kvtier.config import ServerConfig
+from kvtier.errors import ConfigError, InvalidRequest
+from kvtier.keys import KEY_BYTES, ChunkKey
+from kvtier.metrics import StoreMetrics
+from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy, check_priority
+from kvtier.store.arena_index import ArenaIndex
+from kvtier.store.breaker import BreakerState
+from kvtier.store.holdings import Holdings
+from kvtier.store.housekeeping import Housekeeper
+from kvtier.store.integrity import check_store
+from kvtier.store.leases import LeaseTable
+from kvtier.store.lower import LowerTierState
+from kvtier.store.promotions import Promotions
+from kvtier.store.records import Entry, ItemState, LeaseItem, LeaseRecord, Where
+from kvtier.store.writes import Writes
+from kvtier.tiers.arena import Arena
+
+log = logging.getLogger("kvtier.store")
+ARENA = "arena"
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What a lookup found: the tier of each chunk of the prefix and when it could be in
+    the arena (seconds from now, estimated from each tier's measured read speed)."""
+
+    tiers: list[str]
+    arrival_s: list[float]
+
+
+class TieredStore:
+    def __init__(self, config: ServerConfig, *, arena_name: str,
+                 metrics: StoreMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.metrics = metrics or StoreMetrics()
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self.lock_max_s: dict[str, float] = {}
+        """The longest hold of the store lock per operation (see :meth:`_locked`)."""
+        self.index = ArenaIndex(config.arena, arena_name)
+        try:
+            self.tiers = [self._tier(i) for i in range(len(config.tiers))]
+        except BaseException:
+            self.index.arena.close()
+            self.index.arena.unlink()
+            raise
+        self.tiers_by_name = {state.name: state for state in self.tiers}
+        self.reservations: Holdings[ChunkKey] = Holdings()
+        self.leases = LeaseTable()
+        self.promotions = Promotions(self.index, self.leases, self.metrics, self._cond, clock)
+        self.writes = Writes(self.index, self.tiers, self.metrics, self._cond, self._reading)
+        write_back = any(t.write_back for t in self.tiers)
+        # Freeing ahead of need only pays when freeing means a write (write-back).
+        ac = config.arena
+        self._free_target = int(ac.free_target * ac.num_slots) if write_back else 0
+        self._housekeeper = Housekeeper(self.tiers, self._locked, self.clock)
+        self._closed = False
+        self._set_gauges()
+
+    def _tier(self, index: int) -> LowerTierState:
+        config = self.config.tiers[index]
+
+        def on_change(old: BreakerState, new: BreakerState, reason: str) -> None:
+            self._breaker_changed(config.name, old, new, reason)
+
+        try:
+            return LowerTierState(config, self.config.arena.slot_bytes, self.clock, on_change)
+        except ConfigError as exc:
+            raise ConfigError(f"tiers[{index}]: {exc}") from exc
+
+    @property
+    def arena(self) -> Arena:
+        return self.index.arena
+
+    @property
+    def policy(self) -> EvictionPolicy[Hashable]:
+        """The arena's eviction order."""
+        return self.index.policy
+
+    @property
+    def entries(self) -> dict[ChunkKey, Entry]:
+        return self.index.entries
+
+    @contextlib.contextmanager
+    def _locked(self, section: str) -> Iterator[None]:
+        """Hold the store lock, recording the longest hold per section."""
+        with self._lock:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                held = time.perf_counter() - start
+                if held > self.lock_max_s.get(section, 0.0):
+                    self.lock_max_s[section] = held
+
+    # ------------------------------------------------------------------ start
+
+    def rebuild(self) -> int:
+        """Index what the lower tiers already hold (after a restart). Returns chunk count."""
+        count = 0
+        for state in self.tiers:
+            state.learn_space(state.tier.space())
+            found = sorted(state.tier.scan(), key=lambda c: c.mtime, reverse=True)
+            room, kept = state.capacity - state.used, []
+            for chunk in found:  # the newest fill the tier; if it shrank, the oldest go
+                if chunk.size > room:
+                    with self._locked("rebuild"):
+                        self.writes.delete_later(state, chunk.key, chunk.namespace)
+                    continue
+                room -= chunk.size
+                kept.append(chunk)
+            with self._locked("rebuild"):
+                for chunk in reversed(kept):  # oldest first, as the eviction policy orders
+                    state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
+                    count += 1
+            log.info("tier %s: indexed %d chunks, %d bytes", state.name, len(state.sizes),
+                     state.used)
+        self._set_gauges()
+        return count
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[str]:
+        """The tier holding each chunk of the longest prefix of ``keys`` available now."""
+        return self.lookup_hit(keys).tiers
+
+    def lookup_hit(self, keys: Sequence[ChunkKey]) -> Hit:
+        _check_keys(keys)
+        now = self.clock()
+        with self._locked("lookup"):
+            tiers: list[str] = []
+            for key in keys:
+                tier = self._servable(key)
+                if tier is None:
+                    break
+                tiers.append(tier)
+            arrivals = self._arrivals(tiers, now)
+        self.metrics.lookup_chunks.labels("hit").inc(len(tiers))
+        self.metrics.lookup_chunks.labels("miss").inc(len(keys) - len(tiers))
+        return Hit(tiers, arrivals)
+
+    def _servable(self, key: ChunkKey) -> str | None:
+        """Where ``key`` can be leased from now (None: it cannot): the one predicate of
+        both lookup and lease."""
+        entry = self.index.get(key)
+        if entry is not None:
+            if entry.where is Where.READY:
+                return ARENA
+            if self.promotions.joinable(entry):
+                return entry.reading
+            return None  # being written by a client, or a read that hangs
+        for state in self.tiers:
+            if key in state and state.available:
+                return state.name
+        return None
+
+    def _arrivals(self, tiers: list[str], now: float) -> list[float]:
+        out: list[float] = []
+        per_tier: dict[str, int] = {}
+        for tier in tiers:
+            if tier != ARENA:
+                per_tier[tier] = per_tier.get(tier, 0) + 1
+        estimates = {name: iter(self.tiers_by_name[name].reads.arrivals(
+            count, self.tiers_by_name[name].pool.queued, self.tiers_by_name[name].config.io_threads,
+            now)) for name, count in per_tier.items()}
+        for tier in tiers:
+            out.append(0.0 if tier == ARENA else next(estimates[tier]))
+        return out
+
+    # ------------------------------------------------------------------ two-phase store
+
+    def reserve(self, owner: int, namespace_fp: bytes, keys: Sequence[ChunkKey], *,
+                payload_len: int, tokens: int, priority: int = DEFAULT_PRIORITY,
+                first_index: int = 0) -> list[int | None]:
+        """A slot for each key to write its payload into; ``None`` means skip that chunk
+        (already stored or being stored, or no room).
+
+        Raises InvalidRequest when the payload cannot fit a slot or a value is out of range.
+        """
+        self._check_reserve(namespace_fp, keys, payload_len, tokens, priority, first_index)
+        deadline = self.clock() + self.config.lease_ttl_s
+        slots: list[int | None] = []
+        with self._locked("reserve"):
+            try:
+                for i, key in enumerate(keys):
+                    slots.append(self._reserve_one(owner, key, deadline, namespace_fp,
+                                                   tokens, payload_len, priority,
+                                                   (first_index + i + 1) * tokens))
+            except BaseException:
+                for key, slot in zip(keys, slots, strict=False):  # all or nothing
+                    if slot is not None:
+                        self._abort_one(key, None)
+                raise
+        return slots
+
+    def _check_reserve(self, namespace_fp: bytes, keys: Sequence[ChunkKey], payload_len: int,
+                       tokens: int, priority: int, first_index: int) -> None:
+        _check_keys(keys)
+        try:
+            check_priority(priority)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if len(namespace_fp) != 32:
+            raise InvalidRequest(f"namespace_fp must be 32 bytes, got {len(namespace_fp)}")
+        if not 0 < tokens < 2**32 or not 0 <= first_index < 2**32:
+            raise InvalidRequest(f"tokens ({tokens}) and first_index ({first_index}) must be "
+                                 "in [1, 2**32) and [0, 2**32)")
+        if payload_len <= 0 or stored_size(payload_len) > self.index.arena.slot_bytes:
+            raise InvalidRequest(
+                f"payload_len {payload_len} does not fit an arena slot of "
+                f"{self.index.arena.slot_bytes} bytes (at most "
+                f"{self.index.arena.slot_bytes - HEADER_SIZE} payload bytes)")
+
+    def _reserve_one(self, owner: int, key: ChunkKey, deadline: float, namespace_fp: bytes,
+                     tokens: int, payload_len: int, priority: int, prefix_tokens: int
+                     ) -> int | None:
+        self._record_use(key)
+        entry = self.index.get(key)
+        if entry is not None:
+            if entry.where is Where.READY:
+                self.index.touch(key)
+                self.writes.through(entry)
+            self.metrics.store_refusals.labels("present").inc()
+            return None
+        below = [p for s in self.tiers if (p := s.policy.priority(key)) is not None]
+        entry = self._take(key, Where.RESERVED, max([priority, *below]))
+        if entry is None:
+            self.metrics.store_refusals.labels("arena_full").inc()
+            return None
+        entry.namespace_fp, entry.tokens, entry.payload_len = namespace_fp, tokens, payload_len
+        entry.prefix_tokens = prefix_tokens
+        self.reservations.add(key, owner, deadline)
+        return entry.slot
+
+    def commit(self, keys: Sequence[ChunkKey], owner: int | None = None) -> int:
+        """Publish reserved chunks; returns how many were committed.
+
+        Only the reserving client's (``owner``'s) reservations; ``None`` for in-process
+        callers. Chunks are inserted tail first, so the head of a prefix is the most
+        recently used.
+        """
+        _check_keys(keys)
+        count = 0
+        with self._locked("commit"):
+            for key in reversed(keys):
+                if not self.reservations.held_by(key, owner):
+                    continue
+                entry = self.index.entries[key]
+                self.index.publish(entry)
+                self.reservations.remove(key)
+                self.writes.through(entry)
+                count += 1
+            self._free_ahead()
+            self._cond.notify_all()
+        self._set_gauges()
+        return count
+
+    def abort(self, keys: Sequence[ChunkKey], owner: int | None = None) -> int:
+        """Drop reserved chunks of ``owner`` (any, for ``None``); returns how many."""
+        _check_keys(keys)
+        with self._locked("abort"):
+            count = sum(self._abort_one(key, owner) for key in keys)
+            self._cond.notify_all()
+        return count
+
+    def _abort_one(self, key: ChunkKey, owner: int | None) -> bool:
+        if not self.reservations.held_by(key, owner):
+            return False
+        self.reservations.remove(key)
+        self.index.drop(self.index.entries[key])
+        return True
+
+    def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
+        _check_keys(keys)
+        try:
+            check_priority(priority)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        with self._locked("set_priority"):
+            for key in keys:
+                self.index.set_priority(key, priority)
+                for state in self.tiers:
+                    state.policy.set_priority(key, priority)
+
+    # ------------------------------------------------------------------ two-phase load
+
+    def lease(self, owner: int, keys: Sequence[ChunkKey]) -> LeaseRecord:
+        """Lease the longest available prefix of ``keys``; promote lower-tier chunks.
+
+        In this order, so that the same requests always leave the same state::
+
+            1 pin        arena chunks of the prefix are leased (cannot be evicted)
+            2 slots      lower-tier chunks get slots head first; eviction never takes a
+                         chunk of this prefix; no slot -> the lease ends before that chunk
+            3 uses       every leased chunk is one use for admission below
+            4 recency    tail first: arena chunks touched, promoted chunks inserted, so the
+                         head of a prefix is the most recent (a prefix is useful from its head)
+            5 I/O        promotions are read in the background; ``wait`` reports them
+        """
+        _check_keys(keys)
+        deadline = self.clock() + self.config.lease_ttl_s
+        with self._locked("lease"):
+            prefix: list[tuple[ChunkKey, str]] = []
+            for key in keys:
+                tier = self._servable(key)
+                if tier is None:
+                    break
+                prefix.append((key, tier))
+            pinned = self._pin_arena_chunks(prefix)
+            items, started = self._lease_items(prefix, pinned)
+            for item in items:  # a chunk cut off the lease is offered to reserve instead
+                self._record_use(item.key)
+            for item, (_key, tier) in zip(reversed(items), reversed(prefix[:len(items)]),
+                                          strict=True):
+                self._touch_leased(self.index.entries[item.key], item, tier)
+            record = self.leases.open(owner, items, deadline)
+            for entry, state in started:
+                self.promotions.start(entry, state)
+            self.metrics.leases_active.set(len(self.leases))
+        for item in items:
+            self.metrics.hits.labels(item.tier).inc()
+        return record
+
+    def _pin_arena_chunks(self, prefix: list[tuple[ChunkKey, str]]) -> dict[ChunkKey, LeaseItem]:
+        pinned: dict[ChunkKey, LeaseItem] = {}
+        for key, tier in prefix:
+            if tier == ARENA:
+                entry = self.index.entries[key]
+                self.index.pin(entry)
+                pinned[key] = LeaseItem(key, entry.slot, ARENA, ItemState.READY)
+        return pinned
+
+    def _lease_items(self, prefix: list[tuple[ChunkKey, str]], pinned: dict[ChunkKey, LeaseItem]
+                     ) -> tuple[list[LeaseItem], list[tuple[Entry, LowerTierState]]]:
+        """Items for the prefix, head first, with slots for the promotions they need."""
+        items: list[LeaseItem] = []
+        started: list[tuple[Entry, LowerTierState]] = []
+        try:
+            for key, tier in prefix:
+                item = pinned.get(key) or self._promotion_item(key, tier, started)
+                if item is None:
+                    break
+                items.append(item)
+        except BaseException:  # undo, so a failure leaves nothing pinned or half-started
+            for entry, _state in started:
+                self.index.drop(entry)
+            for item in pinned.values():
+                self.index.unpin(item.slot)
+            raise
+        for key, _tier in prefix[len(items):]:  # the prefix ends here: unpin the tail
+            tail = pinned.get(key)
+            if tail is not None:
+                self.index.unpin(tail.slot)
+        return items, started
+
+    def _promotion_item(self, key: ChunkKey, tier: str,
+                        started: list[tuple[Entry, LowerTierState]]) -> LeaseItem | None:
+        entry = self.index.get(key)
+        if entry is not None:  # another lease is already reading it in
+            assert entry.reading is not None
+            return LeaseItem(key, entry.slot, entry.reading, ItemState.PENDING)
+        state = self.tiers_by_name[tier]
+        priority = state.policy.priority(key)
+        entry = self._take(key, Where.PROMOTING, DEFAULT_PRIORITY if priority is None
+                           else priority)
+        if entry is None:
+            self.metrics.store_refusals.labels("arena_full_promote").inc()
+            return None
+        started.append((entry, state))
+        return self.promotions.begin(entry, state)
+
+    def _touch_leased(self, entry: Entry, item: LeaseItem, tier: str) -> None:
+        if tier == ARENA:
+            self.index.touch(entry.key)
+            self.writes.through(entry)
+        elif entry.key in self.index.policy:
+            self.index.touch(entry.key)  # joined a promotion already under way
+        else:
+            self.tiers_by_name[tier].policy.touch(entry.key)
+            self.index.join_order(entry)
+
+    def wait(self, lease_id: int, timeout_s: float, owner: int | None = None) -> LeaseRecord:
+        """Block until the lease has no pending chunk or the timeout passes.
+
+        Waiting renews the lease: a client that asks is alive."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            record = self.leases.get(lease_id, owner)
+            self.leases.renew(lease_id, self.clock() + self.config.lease_ttl_s)
+            while not record.done and not self._closed and not record.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return record
+
+    def release(self, lease_id: int, owner: int | None = None) -> None:
+        """End a lease of ``owner`` (any, for ``None``); InvalidRequest for another's."""
+        with self._locked("release"):
+            self.leases.get(lease_id, owner)
+            self._close_lease(lease_id)
+
+    def _close_lease(self, lease_id: int) -> None:
+        self._unpin(self.leases.close(lease_id))
+
+    def _unpin(self, record: LeaseRecord) -> None:
+        """A closed lease lets go of its slots."""
+        for item in record.items:
+            if item.state is ItemState.READY:
+                self.index.unpin(item.slot)
+            item.state = ItemState.FAILED
+        self.metrics.leases_active.set(len(self.leases))
+        self._cond.notify_all()
+
+    def renew(self, lease_id: int) -> None:
+        with self._locked("renew"):
+            self.leases.get(lease_id)
+            self.leases.renew(lease_id, self.clock() + self.config.lease_ttl_s)
+
+    # ------------------------------------------------------------------ space in the arena
+
+    def _take(self, key: ChunkKey, where: Where, priority: int) -> Entry | None:
+        entry = self.index.take(key, where, priority)
+        while entry is None:
+            victim = self.index.victim()
+            if victim is None:
+                return None
+            if not self.writes.evict(victim):
+                return None  # written back first: one victim per slot, not the whole arena
+            entry = self.index.take(key, where, priority)
+        return entry
+
+    def _free_ahead(self) -> None:
+        """Keep ``free_target`` slots free or on their way to free (write-back ahead)."""
+        while self.index.free_slots + self.writes.demoting < self._free_target:
+            victim = self.index.victim()
+            if victim is None:
+                return
+            self.writes.evict(victim)
+
+    def _reading(self, state: LowerTierState, key: Hashable) -> bool:
+        entry = self.index.entries.get(key)  # type: ignore[call-overload]
+        return entry is not None and entry.reading == state.name
+
+    def _record_use(self, key: ChunkKey) -> None:
+        for state in self.tiers:
+            state.record_use(key)
+
+    # ------------------------------------------------------------------ clients coming, going
+
+    def drop_owner(self, owner: int) -> None:
+        """A client went away: its leases and reservations end after ``orphan_grace_s``.
+
+        Not at once: the client may have handed slot numbers to another process (an engine
+        worker) that is still copying; a slot reused under it would be a wrong block. A
+        client that comes back in time (:meth:`resume_owner`) keeps them.
+        """
+        now = self.clock()
+        with self._locked("drop_owner"):
+            end = now + self.config.orphan_grace_s
+            self.leases.holdings.cap_owner(owner, end)
+            self.reservations.cap_owner(owner, end)
+        if self.config.orphan_grace_s == 0:
+            self.expire(now)
+
+    def resume_owner(self, owner: int) -> None:
+        """A client that went away is back: what it holds lives a full TTL again."""
+        with self._locked("resume_owner"):
+            deadline = self.clock() + self.config.lease_ttl_s
+            self.leases.holdings.renew_owner(owner, deadline)
+            self.reservations.renew_owner(owner, deadline)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop leases and reservations past their deadline; costs what expired."""
+        now = self.clock() if now is None else now
+        with self._locked("expire"):
+            for record in self.leases.expired(now):
+                self._unpin(record)
+                self.metrics.leases_expired.labels("lease").inc()
+            for key in self.reservations.expired(now):
+                self.index.drop(self.index.entries[key])
+                self.metrics.leases_expired.labels("reservation").inc()
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def housekeeping(self) -> None:
+        """What the server runs every half second (see :mod:`kvtier.store.housekeeping`)."""
+        self.expire()
+        self._housekeeper.run()
+        self._set_gauges()
+
+    def _breaker_changed(self, tier: str, old: BreakerState, new: BreakerState,
+                         reason: str) -> None:
+        if new is BreakerState.OPEN and old is BreakerState.CLOSED:
+            log.warning("tier %s bypassed (circuit breaker open): %s", tier, reason)
+        elif new is BreakerState.CLOSED:
+            log.info("tier %s back in service (circuit breaker closed): %s", tier, reason)
+        else:
+            log.debug("tier %s breaker %s -> %s: %s", tier, old.name, new.name, reason)
+        self.metrics.breaker_state.labels(tier).set(int(new))
+        self.metrics.breaker_transitions.labels(tier, new.name.lower()).inc()
+
+    # ------------------------------------------------------------------ views, shutdown
+
+    def stats(self) -> dict[str, object]:
+        now = self.clock()
+        with self._locked("stats"):
+            arena = self.index.arena
+            tiers: dict[str, object] = {
+                ARENA: {"slots": arena.num_slots, "free": arena.free_slots,
+                        "ready": len(self.index.policy), "slot_bytes": arena.slot_bytes},
+            }
+            for s in self.tiers:
+                tiers[s.name] = {
+                    "chunks": len(s.sizes), "used_bytes": s.used, "capacity_bytes": s.capacity,
+                    "configured_capacity_bytes": s.configured,
+                    "limited_by_filesystem": s.limited_by_filesystem,
+                    "breaker": s.breaker.state.name.lower(),
+                    "read_chunk_s": s.reads.chunk_s(now), "io_pending": s.pool.pending,
+                    **s.tier.describe()}
+            return {"tiers": tiers, "leases": len(self.leases),
+                    "reservations": len(self.reservations), "entries": len(self.index.entries)}
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no lower-tier write, delete or promotion is in flight. True if drained."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (self.writes.in_flight or self.promotions.in_flight
+                   or any(state.deleting for state in self.tiers)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        self._set_gauges()
+        return True
+
+    def close(self, drain_s: float = 10.0) -> None:
+        """Write back what only the arena holds, finish writes in flight (up to
+        ``drain_s``), stop the I/O threads, free the arena."""
+        if drain_s > 0:
+            with self._locked("close"):
+                self.writes.back_all()
+        self.flush(drain_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for state in self.tiers:
+            state.close(wait_s=0)
+        self.index.arena.close()
+        self.index.arena.unlink()
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if the arena, the entries, the leases and the tiers disagree."""
+        with self._locked("check_integrity"):
+            check_store(self)
+
+    def _set_gauges(self) -> None:
+        m, a = self.metrics, self.index.arena
+        m.used_bytes.labels(ARENA).set((a.num_slots - a.free_slots) * a.slot_bytes)
+        m.capacity_bytes.labels(ARENA).set(a.num_slots * a.slot_bytes)
+        m.chunks.labels(ARENA).set(len(self.index.policy))
+        now = self.clock()
+        for s in self.tiers:
+            m.used_bytes.labels(s.name).set(s.used)
+            m.capacity_bytes.labels(s.name).set(s.capacity)
+            m.chunks.labels(s.name).set(len(s.sizes))
+            m.breaker_state.labels(s.name).set(int(s.breaker.state))
+            m.read_estimate.labels(s.name).set(s.reads.chunk_s(now) or 0.0)
+        for section, held in self.lock_max_s.items():
+            m.lock_hold_max.labels(section).set(held)
+
+
+def _check_keys(keys: Sequence[ChunkKey]) -> None:
+    """Keys are 32 bytes and distinct within one call."""
+    seen: dict[bytes, int] = {}
+    for i, key in enumerate(keys):
+        if len(key) != KEY_BYTES:
+            raise InvalidRequest(f"keys[{i}]: a chunk key is {KEY_BYTES} bytes, got {len(key)}")
+        first = seen.setdefault(key, i)
+        if first != i:
+            raise InvalidRequest(f"keys[{i}] repeats keys[{first}] ({key.hex()[:16]}...): "
+                                 "the keys of one call must be distinct")

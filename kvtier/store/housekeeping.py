@@ -1,0 +1,117 @@
+"""The store's periodic work on its lower tiers (the server runs it every half second).
+
+- I/O past its timeout: jobs the pool abandoned (queued too long) are undone, jobs running
+  too long are marked late (their waiters fail, the breaker counts them);
+- circuit breakers: an open breaker whose cool-down is over gets its probe — a small sealed
+  chunk written, read back, verified and deleted on the tier's own pool;
+- space: every few seconds each tier's filesystem is asked what it can still hold.
+
+Each step holds the store lock only for the state it changes; the probe and ``statvfs``
+run on the tier's pool, bounded by its timeout like any other I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from kvtier import codec
+from kvtier.errors import CorruptChunkError, TierIOError
+from kvtier.keys import ChunkKey
+from kvtier.store.iopool import Job
+from kvtier.store.lower import LowerTierState
+
+Locked = Callable[[str], AbstractContextManager[None]]
+SPACE_CHECK_S = 5.0
+PROBE_NAMESPACE = bytes(32)
+"""Probe chunks live in a namespace of their own (all zeros), which no engine computes."""
+
+
+class Housekeeper:
+    def __init__(self, tiers: list[LowerTierState], locked: Locked,
+                 clock: Callable[[], float]) -> None:
+        self.tiers = tiers
+        self.locked = locked
+        self.clock = clock
+        self._space_checked = -SPACE_CHECK_S
+
+    def run(self) -> None:
+        for state in self.tiers:
+            self._overdue(state)
+            with self.locked("breaker"):
+                due = state.breaker.probe_due()
+            if due:
+                self._probe(state)
+        now = self.clock()
+        if now - self._space_checked >= SPACE_CHECK_S:
+            self._space_checked = now
+            for state in self.tiers:
+                self._space(state)
+
+    def _overdue(self, state: LowerTierState) -> None:
+        abandoned, late = state.pool.overdue()
+        if not (abandoned or late):
+            return
+        with self.locked("overdue"):
+            for job in abandoned:
+                if job.on_abandon is not None:
+                    job.on_abandon()
+            for job in late:
+                if job.on_late is not None:
+                    job.on_late()
+
+    def _probe(self, state: LowerTierState) -> None:
+        def run(job: Job) -> None:
+            start = time.perf_counter()
+            error = ""
+            try:
+                probe_tier(state)
+            except Exception as exc:  # any failure keeps the breaker open
+                error = f"{type(exc).__name__}: {exc}"
+            elapsed = time.perf_counter() - start
+            if not job.late:
+                with self.locked("probe"):
+                    state.breaker.probe_result(not error, elapsed, error)
+
+        def gave_up() -> None:
+            state.breaker.probe_result(False, state.config.io_timeout_s, "probe timed out")
+
+        state.pool.submit(run, on_abandon=gave_up, on_late=gave_up)
+
+    def _space(self, state: LowerTierState) -> None:
+        def run(_job: Job) -> None:
+            space = state.tier.space()
+            if space is not None:
+                with self.locked("space"):
+                    state.learn_space(space)
+
+        state.pool.submit(run)
+
+
+def probe_tier(state: LowerTierState) -> None:
+    """Write, read back, verify and delete one small chunk; raises if any step fails."""
+    key = ChunkKey(hashlib.sha256(b"kvtier-probe:" + state.name.encode()).digest())
+    size = codec.stored_size(codec.PAGE)
+    buf = mmap.mmap(-1, 2 * size)  # page aligned, as O_DIRECT wants
+    try:
+        out, into = memoryview(buf)[:size], memoryview(buf)[size:]
+        out[codec.HEADER_SIZE:] = bytes(range(256)) * (codec.PAGE // 256)
+        codec.seal(out, PROBE_NAMESPACE, key, tokens=1, payload_len=codec.PAGE)
+        state.tier.write(key, out)
+        try:
+            got = state.tier.read_into(key, into, namespace=PROBE_NAMESPACE)
+            if got is None:
+                raise TierIOError(f"tier {state.name}: the probe chunk vanished after writing")
+            codec.verify(into[:got], key, PROBE_NAMESPACE)
+            if bytes(into[:size]) != bytes(out):
+                raise CorruptChunkError("the probe chunk read back differs")
+        finally:
+            state.tier.delete(key, namespace=PROBE_NAMESPACE)
+        del out, into
+    finally:
+        with contextlib.suppress(BufferError):
+            buf.close()

@@ -1,0 +1,173 @@
+"""The store's books for one tier below the arena, and what serves it.
+
+The tier object itself only stores bytes; this record owns what the store decides with: which
+chunks the tier holds and their sizes, the bytes in use and promised to writes in flight, the
+eviction policy, the admission rules, the I/O pool, the circuit breaker and the read-speed
+estimate::
+
+    used + reserved <= configured capacity         (checked by check_integrity)
+    keys(sizes) == keys(policy)                    (every held chunk is evictable bookkeeping)
+    capacity = min(configured, what the filesystem can still hold)
+
+``capacity`` is learned: at start and every few seconds from the filesystem's free space,
+and at once when a write fails with ENOSPC. Writes then evict older chunks to make room, and
+the change is logged once (not once per chunk).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+
+from kvtier.config import TierConfig
+from kvtier.errors import IntegrityError
+from kvtier.keys import ChunkKey
+from kvtier.policies import (
+    AdmissionContext,
+    EvictionPolicy,
+    admits,
+    make_admission,
+    make_eviction,
+)
+from kvtier.store.breaker import CircuitBreaker, OnChange
+from kvtier.store.estimate import ReadEstimate
+from kvtier.store.iopool import IOPool
+from kvtier.tiers import TIERS, LowerTier, Space
+
+log = logging.getLogger("kvtier.store")
+
+
+class LowerTierState:
+    def __init__(self, config: TierConfig, chunk_bytes_hint: int, clock: Callable[[], float],
+                 on_breaker_change: OnChange, tier: LowerTier | None = None) -> None:
+        self.config = config
+        self.name = config.name
+        self.tier = tier or TIERS[config.type].from_config(config.name, config)
+        self.configured = config.capacity_bytes
+        self.capacity = config.capacity_bytes
+        self.chunk_bytes_hint = chunk_bytes_hint
+        self.write_back = config.write_policy == "back"
+        entries = max(1, self.capacity // max(1, chunk_bytes_hint))
+        self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, entries)
+        self.admission = make_admission(config.admission)
+        self.sizes: dict[ChunkKey, int] = {}
+        self.namespaces: dict[ChunkKey, bytes] = {}
+        """The namespace of each held chunk (shared tiers file chunks under it)."""
+        self._interned: dict[bytes, bytes] = {}
+        self.deleting: set[ChunkKey] = set()
+        """Keys whose delete is queued; not written again until it ran (the tier contract:
+        never a write and a delete of one key at once)."""
+        self.used = 0
+        self.reserved = 0
+        self.pool = IOPool(self.name, config.io_threads, config.io_timeout_s, clock)
+        self.breaker = CircuitBreaker(config.breaker, clock, on_breaker_change)
+        self.reads = ReadEstimate()
+        self.limited_by_filesystem = False
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.sizes
+
+    @property
+    def available(self) -> bool:
+        """Reads and writes may go to the tier (its breaker is closed)."""
+        return self.breaker.allows()
+
+    # ------------------------------------------------------------------ admission, space
+
+    def record_use(self, key: ChunkKey) -> None:
+        for rule in self.admission:
+            rule.record(key)
+
+    def admits(self, key: ChunkKey, priority: int, prefix_tokens: int) -> bool:
+        return admits(self.admission, AdmissionContext(key, priority, prefix_tokens))
+
+    def make_room(self, size: int, protected: Callable[[Hashable], bool]
+                  ) -> list[tuple[ChunkKey, bytes]] | None:
+        """Evict until ``size`` more bytes fit, and promise them to a write.
+
+        Returns the evicted (key, namespace) pairs, already gone from the books (the caller
+        deletes them), or ``None`` if the chunk cannot fit even after evicting every
+        unprotected chunk (nothing is evicted then). Walks the eviction order lazily: the
+        cost is the victims, not the tier's size.
+        """
+        if size > self.capacity:
+            return None
+        need = self.used + self.reserved + size - self.capacity
+        victims: list[tuple[ChunkKey, bytes]] = []
+        if need > 0:
+            chosen = self.policy.evict_bytes(need, self._size_of, protected)
+            if chosen is None:
+                return None
+            for raw in chosen:
+                key = ChunkKey(raw)  # type: ignore[arg-type]
+                self.used -= self.sizes.pop(key)
+                victims.append((key, self.namespaces.pop(key)))
+        self.reserved += size
+        return victims
+
+    def _size_of(self, key: Hashable) -> int:
+        return self.sizes[key]  # type: ignore[index]
+
+    def added(self, key: ChunkKey, size: int, promised: int, priority: int,
+              namespace: bytes) -> None:
+        """A write of ``key`` finished: account it and make it evictable."""
+        self.reserved -= promised
+        if key in self.sizes:  # indexed meanwhile (e.g. found by a listing)
+            self.forget(key)
+        self.sizes[key] = size
+        self.namespaces[key] = self._interned.setdefault(namespace, namespace)
+        self.used += size
+        self.policy.insert(key, priority)
+
+    def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
+        """A chunk found in the tier (restart scan): account it, oldest first."""
+        self.added(key, size, 0, priority, namespace)
+
+    def forget(self, key: ChunkKey) -> bytes | None:
+        """Drop ``key`` from the books (deleted, corrupt, missing); returns its namespace."""
+        size = self.sizes.pop(key, None)
+        if size is None:
+            return None
+        self.used -= size
+        self.policy.remove(key)
+        return self.namespaces.pop(key)
+
+    def learn_space(self, space: Space | None, full: bool = False) -> None:
+        """Never promise more than the filesystem can hold (``full``: a write just failed
+        with ENOSPC, so it holds no more than what we have now)."""
+        if space is None and not full:
+            return
+        limit = self.configured
+        if space is not None:
+            keep = self.config.keep_free_bytes
+            if keep is None:
+                keep = max(self.chunk_bytes_hint, space.total // 100)
+            limit = min(limit, self.used + max(0, space.free - keep))
+        if full:
+            limit = min(limit, self.used)
+        limited = limit < self.configured
+        if limited and not self.limited_by_filesystem:
+            log.warning("tier %s: the filesystem holds only %d more bytes; capacity lowered "
+                        "from %d to %d bytes (older chunks are evicted to make room)",
+                        self.name, max(0, limit - self.used), self.configured, limit)
+        elif self.limited_by_filesystem and not limited:
+            log.info("tier %s: the filesystem has room again; capacity back to %d bytes",
+                     self.name, self.configured)
+        self.limited_by_filesystem = limited
+        self.capacity = limit
+
+    def check_integrity(self) -> None:
+        if (set(self.sizes) != set(self.policy.order())
+                or self.sizes.keys() != self.namespaces.keys()):
+            raise IntegrityError(f"tier {self.name}: index and eviction policy disagree")
+        if self.used != sum(self.sizes.values()):
+            raise IntegrityError(f"tier {self.name}: used bytes {self.used} != sum of sizes")
+        if self.used + self.reserved > self.configured or self.reserved < 0:
+            raise IntegrityError(
+                f"tier {self.name}: used {self.used} + reserved {self.reserved} exceeds "
+                f"capacity {self.configured}"
+            )
+
+    def close(self, wait_s: float = 10.0) -> None:
+        self.pool.close(wait_s)
+        self.tier.close()

@@ -1,0 +1,149 @@
+"""Promotions: reading a lower-tier chunk into an arena slot for the leases that wait on it.
+
+A lease of a chunk that only a lower tier holds takes a slot for it (PROMOTING) and starts
+one read on that tier's pool; later leases of the same chunk join it. When the read ends,
+:meth:`Promotions._done` publishes the chunk (its waiters' items turn READY, each pinning
+the slot) or drops it (they turn FAILED: a miss from there on). Every read is verified
+(header, key, checksum); a corrupt copy is quarantined and forgotten, a copy that only
+failed to read stays indexed. Reads are timed for the tier's :class:`ReadEstimate`.
+
+A read still running after ``io_timeout_s`` is *late*: its waiters fail at once and no new
+lease joins it, but its slot stays taken until the read returns (a late read could still
+write into it). A read the pool gave up before it started frees the slot at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kvtier.codec import stored_size, verify
+from kvtier.errors import CorruptChunkError, TierError
+from kvtier.keys import ChunkKey
+from kvtier.store.arena_index import ArenaIndex
+from kvtier.store.iopool import Job
+from kvtier.store.leases import LeaseTable
+from kvtier.store.lower import LowerTierState
+from kvtier.store.records import Entry, ItemState, LeaseItem, Where
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvtier.codec import ChunkHeader
+    from kvtier.metrics import StoreMetrics
+
+log = logging.getLogger("kvtier.store")
+
+
+class Promotions:
+    def __init__(self, index: ArenaIndex, leases: LeaseTable, metrics: StoreMetrics,
+                 cond: threading.Condition, clock: Callable[[], float]) -> None:
+        self.index = index
+        self.leases = leases
+        self.metrics = metrics
+        self.cond = cond
+        self.clock = clock
+        self.in_flight = 0
+        self.late: set[ChunkKey] = set()
+        """Keys whose read ran past the timeout: not joined again, slot held until it ends."""
+
+    def begin(self, entry: Entry, state: LowerTierState) -> LeaseItem:
+        """Mark ``entry`` (a fresh PROMOTING slot) as read from ``state``; the read itself is
+        started by :meth:`start` once the lease is recorded."""
+        entry.reading = state.name
+        return LeaseItem(entry.key, entry.slot, state.name, ItemState.PENDING)
+
+    def start(self, entry: Entry, state: LowerTierState) -> None:
+        namespace = state.namespaces.get(entry.key, b"")
+        self.in_flight += 1
+        state.pool.submit(lambda job: self._job(job, entry, state, namespace),
+                          on_abandon=lambda: self._abandoned(entry, state),
+                          on_late=lambda: self._late(entry, state))
+
+    def joinable(self, entry: Entry) -> bool:
+        return entry.where is Where.PROMOTING and entry.key not in self.late
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _job(self, job: Job, entry: Entry, state: LowerTierState, namespace: bytes) -> None:
+        view = self.index.arena.slot(entry.slot)
+        start = time.perf_counter()
+        header: ChunkHeader | None = None
+        corrupt, error = False, ""
+        try:
+            n = state.tier.read_into(entry.key, view, namespace=namespace)
+            if n is not None:
+                header = verify(view[:n], entry.key)
+        except CorruptChunkError as exc:
+            corrupt, error = True, str(exc)
+            self._quarantine(state, entry.key, namespace)
+        except TierError as exc:
+            error = str(exc)
+        except Exception as exc:  # a bug must fail this load, never strand the slot
+            log.exception("read from %s failed", state.name)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            view.release()
+        elapsed = time.perf_counter() - start
+        if corrupt:
+            log.warning("chunk %s on %s is corrupt (%s): quarantined", entry.key.hex()[:16],
+                        state.name, error)
+        elif error:
+            log.debug("read from %s failed: %s", state.name, error)
+        with self.cond:
+            if not job.late:
+                state.breaker.record(not error or corrupt, elapsed, error)
+            self._done(entry, state, header, corrupt, error, elapsed)
+
+    def _quarantine(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
+        try:
+            state.tier.quarantine(key, namespace=namespace)
+        except TierError as exc:
+            log.warning("quarantine on %s failed: %s", state.name, exc)
+
+    # ------------------------------------------------------------------ outcomes (lock held)
+
+    def _done(self, entry: Entry, state: LowerTierState, header: ChunkHeader | None,
+              corrupt: bool, error: str, elapsed: float) -> None:
+        self.in_flight -= 1
+        self.late.discard(entry.key)
+        entry.reading = None
+        waiting = self.leases.waiters(entry.key)
+        if header is not None:
+            entry.namespace_fp, entry.tokens = header.namespace_fp, header.tokens
+            entry.payload_len, entry.sealed = header.payload_len, True
+            self.index.publish(entry)  # already in the eviction order since its lease
+            for item in waiting:
+                self.index.pin(entry)
+                item.state = ItemState.READY
+            nbytes = stored_size(header.payload_len)
+            state.reads.observe(elapsed, nbytes, self.clock())
+            self.metrics.bytes.labels(state.name, "read").inc(nbytes)
+            self.metrics.io_seconds.labels(state.name, "read").observe(elapsed)
+        else:
+            if corrupt:
+                self.metrics.checksum_failures.labels(state.name).inc()
+            if error and not corrupt:
+                self.metrics.io_errors.labels(state.name, "read").inc()
+            else:  # missing, or corrupt and quarantined: the tier no longer holds it
+                state.forget(entry.key)
+            for item in waiting:
+                item.state = ItemState.FAILED
+            self.index.drop(entry)
+        self.cond.notify_all()
+
+    def _late(self, entry: Entry, state: LowerTierState) -> None:
+        """The read runs past the timeout: its waiters stop waiting (recompute)."""
+        self.late.add(entry.key)
+        state.breaker.record(False, state.config.io_timeout_s, "read timed out")
+        self.metrics.io_timeouts.labels(state.name, "read").inc()
+        for item in self.leases.waiters(entry.key):
+            item.state = ItemState.FAILED
+        self.cond.notify_all()
+
+    def _abandoned(self, entry: Entry, state: LowerTierState) -> None:
+        """The pool gave the read up before it started: nothing touches the slot."""
+        self.metrics.io_timeouts.labels(state.name, "read").inc()
+        self._done(entry, state, None, False, "timed out in the queue", 0.0)

@@ -1,0 +1,215 @@
+"""Copies from the arena down to lower tiers, and deletes in them.
+
+- write-through: a committed (or hit) chunk is copied to every write-through tier that admits
+  it, in the background;
+- write-back: a chunk the arena evicts is copied to the write-back tiers first, and its slot
+  is freed when the last copy is done (``demoting``);
+- deletes: chunks a lower tier evicts to make room, deleted by the job that needs the room
+  (before its own write, so the space is really free by then).
+
+Each (chunk, tier) write is one job on that tier's I/O pool. The slot stays put while any
+job reads it (``entry.writing``). The outcome is applied under the store's lock in
+:meth:`Writes._done`; a job the pool gives up (queued past ``io_timeout_s``) is undone in
+:meth:`Writes._abandoned`, so no entry is ever left "writing" forever.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
+
+from kvtier.codec import seal, stored_size
+from kvtier.errors import TierError, TierFull
+from kvtier.keys import ChunkKey
+from kvtier.store.arena_index import ArenaIndex
+from kvtier.store.iopool import Job
+from kvtier.store.lower import LowerTierState
+from kvtier.store.records import Entry
+
+if TYPE_CHECKING:
+    from kvtier.metrics import StoreMetrics
+
+log = logging.getLogger("kvtier.store")
+_SEAL_LOCKS = [threading.Lock() for _ in range(64)]
+
+
+class Writes:
+    def __init__(self, index: ArenaIndex, tiers: list[LowerTierState], metrics: StoreMetrics,
+                 cond: threading.Condition, reading: Callable[[LowerTierState, Hashable], bool]
+                 ) -> None:
+        self.index = index
+        self.tiers = tiers
+        self.metrics = metrics
+        self.cond = cond
+        self.reading = reading
+        """Whether a promotion reads ``key`` from a tier now (it must not be deleted)."""
+        self.in_flight = 0
+        self.demoting = 0
+
+    # ------------------------------------------------------------------ deciding
+
+    def through(self, entry: Entry) -> None:
+        """Copy a READY chunk to the write-through tiers that want it."""
+        targets = [s for s in self.tiers if not s.write_back and self.wants(s, entry)]
+        if targets:
+            entry.rescued = entry.rescued or entry.demoting
+            self.submit(entry, targets)
+
+    def back_all(self) -> None:
+        """Copy every arena chunk to the write-back tiers that want it (graceful close)."""
+        for entry in list(self.index.ready()):
+            targets = [s for s in self.tiers if s.write_back and self.wants(s, entry)]
+            if targets:
+                self.submit(entry, targets)
+
+    def evict(self, entry: Entry) -> bool:
+        """``entry`` left the arena's eviction order: write it back, or drop it.
+
+        Returns whether its slot is free now (after a write-back it is freed later).
+        """
+        self.metrics.evictions.labels("arena", "capacity").inc()
+        targets = [s for s in self.tiers if s.write_back and self.wants(s, entry)]
+        if targets:
+            entry.demoting = True
+            self.demoting += 1
+            self.submit(entry, targets)
+            if entry.demoting:  # some write is under way
+                return False
+        else:
+            self.index.drop(entry)
+        return entry.key not in self.index.entries
+
+    def wants(self, state: LowerTierState, entry: Entry) -> bool:
+        key = entry.key
+        if key in state or key in state.deleting or state.name in entry.writing:
+            return False  # held, or its delete is queued: a write racing it could be lost
+        if not state.available:
+            self.metrics.admission_refusals.labels(state.name, "breaker_open").inc()
+            return False
+        if not state.admits(key, entry.priority, entry.prefix_tokens):
+            self.metrics.admission_refusals.labels(state.name, "policy").inc()
+            return False
+        return True
+
+    def submit(self, entry: Entry, targets: list[LowerTierState]) -> None:
+        size = stored_size(entry.payload_len)
+        for state in targets:
+            victims = state.make_room(size, functools.partial(self.reading, state))
+            if victims is None:
+                self.metrics.admission_refusals.labels(state.name, "full").inc()
+                continue
+            for key, _namespace in victims:
+                self.metrics.evictions.labels(state.name, "capacity").inc()
+                state.deleting.add(key)
+            entry.writing.add(state.name)
+            self.in_flight += 1
+            state.pool.submit(functools.partial(self._job, entry=entry, state=state,
+                                                doomed=victims, size=size),
+                              on_abandon=functools.partial(self._abandoned, entry, state,
+                                                           victims, size))
+        if entry.demoting and not entry.writing:  # no tier took it
+            self._demoted(entry)
+
+    # ------------------------------------------------------------------ doing (I/O thread)
+
+    def _job(self, job: Job, entry: Entry, state: LowerTierState,
+             doomed: list[tuple[ChunkKey, bytes]], size: int) -> None:
+        for key, namespace in doomed:
+            self.delete_now(state, key, namespace)
+        view = self.index.arena.slot(entry.slot)
+        written: int | None = None
+        error = ""
+        full = False
+        start = time.perf_counter()
+        try:
+            if self._seal(entry, view):
+                written = state.tier.write(entry.key, view[:size])
+            else:
+                error = "cannot seal the chunk"
+        except TierFull as exc:
+            full, error = True, str(exc)
+        except TierError as exc:
+            error = str(exc)
+        except Exception as exc:  # a bug must not leave the entry "writing" forever
+            log.exception("write to %s failed", state.name)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            view.release()
+        elapsed = time.perf_counter() - start
+        space = state.tier.space() if full else None
+        with self.cond:
+            if not job.late:
+                state.breaker.record(written is not None or full, elapsed, error)
+            if full:
+                state.learn_space(space, full=True)
+            self._done(entry, state, size, written, elapsed, error)
+
+    def _seal(self, entry: Entry, view: memoryview) -> bool:
+        with _SEAL_LOCKS[entry.slot % len(_SEAL_LOCKS)]:
+            if entry.sealed:
+                return True
+            try:
+                seal(view, entry.namespace_fp, entry.key, entry.tokens, entry.payload_len,
+                     entry.priority)
+            except Exception:  # a bad field must fail this write, not strand the entry
+                log.exception("cannot seal chunk %s", entry.key.hex()[:16])
+                return False
+            entry.sealed = True
+            return True
+
+    def delete_now(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
+        """Delete ``key`` from the tier in this (I/O) thread, then clear its mark."""
+        try:
+            state.tier.delete(key, namespace=namespace)
+        except TierError as exc:
+            log.warning("delete from %s failed: %s", state.name, exc)
+            self.metrics.io_errors.labels(state.name, "delete").inc()
+        finally:
+            with self.cond:
+                state.deleting.discard(key)
+                self.cond.notify_all()
+
+    def delete_later(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
+        """Queue a delete of a chunk already gone from the tier's books."""
+        state.deleting.add(key)
+        state.pool.submit(lambda _job: self.delete_now(state, key, namespace),
+                          on_abandon=lambda: state.deleting.discard(key))
+
+    # ------------------------------------------------------------------ outcomes (lock held)
+
+    def _done(self, entry: Entry, state: LowerTierState, promised: int, written: int | None,
+              elapsed: float, error: str) -> None:
+        entry.writing.discard(state.name)
+        self.in_flight -= 1
+        if written is None:
+            state.reserved -= promised
+            if error:
+                self.metrics.io_errors.labels(state.name, "write").inc()
+        else:
+            state.added(entry.key, written, promised, entry.priority, entry.namespace_fp)
+            self.metrics.bytes.labels(state.name, "write").inc(written)
+            self.metrics.io_seconds.labels(state.name, "write").observe(elapsed)
+        if entry.demoting and not entry.writing:
+            self._demoted(entry)
+        self.cond.notify_all()
+
+    def _abandoned(self, entry: Entry, state: LowerTierState,
+                   doomed: list[tuple[ChunkKey, bytes]], size: int) -> None:
+        """The pool gave the job up before it ran (the tier hangs)."""
+        for key, _namespace in doomed:  # never deleted: left for the next scan to find
+            state.deleting.discard(key)
+        self.metrics.io_timeouts.labels(state.name, "write").inc()
+        self._done(entry, state, size, None, 0.0, "")
+
+    def _demoted(self, entry: Entry) -> None:
+        self.demoting -= 1
+        entry.demoting = False
+        if self.index.arena.leases[entry.slot] or entry.rescued:
+            entry.rescued = False
+            self.index.join_order(entry)  # hot again while it was written
+        else:
+            self.index.drop(entry)
