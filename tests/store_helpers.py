@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -207,3 +208,26 @@ def client_load(client: KvtierClient, chunk_keys: Sequence[ChunkKey], *, n: int 
                 for slot, ready in zip(lease.slots, status.ready, strict=True)]
     client.release(lease.lease_id)
     return payloads
+
+
+# ---------------------------------------------------------------------- real filesystems
+
+@contextmanager
+def small_filesystem(path: Path, size_bytes: int) -> Iterator[Path]:
+    """A tmpfs of ``size_bytes`` mounted at ``path`` (needs root, as in CI)."""
+    if os.geteuid() != 0:
+        import pytest
+
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700", "tmpfs",
+                    str(path)], check=True, timeout=30)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+
+
+def remount(path: Path, mode: str) -> None:
+    """Make a mounted tmpfs read-only (``ro``) or writable again (``rw``)."""
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True, timeout=30)

@@ -7,7 +7,9 @@ rule. After every step:
 
 - ``check_integrity()`` passes, the arena holds at most its slots, the disk at most its bytes;
 - a key is only ever served once it was committed, and always with exactly its bytes;
-- a slot under a lease still holds its chunk's bytes when the lease is released.
+- a slot under a lease still holds its chunk's bytes when the lease is released;
+- a lease grants what the lookup just before it promised (one predicate for both);
+- a call that names one key twice is refused whole, and changes nothing.
 
 At the end the store is closed, its disk folder must hold exactly the chunks it indexed, and
 a new store rebuilt from that folder serves the same bytes.
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from store_helpers import (
@@ -37,9 +41,11 @@ from store_helpers import (
     keys,
     load,
     pattern,
+    sample,
 )
 
 from kvtier.codec import HEADER_SIZE
+from kvtier.errors import InvalidRequest
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.store.records import ItemState, Where
@@ -50,7 +56,7 @@ TTL = 10.0
 KEYS = keys(12, "prop")
 OWNERS = (1, 2)
 
-picks = st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True)
+picks = st.lists(st.sampled_from(KEYS), min_size=1, max_size=4)  # repeats included
 choices = st.lists(st.integers(0, 63), min_size=1, max_size=4)
 
 
@@ -101,7 +107,26 @@ class StoreMachine(RuleBasedStateMachine):
         if settle:  # else the next steps race the write-through copies
             assert self.store.flush()
 
+    def refused(self, call: Callable[[], object], chosen: list[ChunkKey]) -> bool:
+        """A call naming a key twice raises InvalidRequest and leaves everything as it was."""
+        if len(set(chosen)) == len(chosen):
+            return False
+        before = self.snapshot()
+        with pytest.raises(InvalidRequest, match="repeats"):
+            call()
+        assert self.snapshot() == before
+        self.store.check_integrity()
+        return True
+
+    def snapshot(self) -> tuple[object, ...]:
+        store = self.store
+        return (store.arena.free_slots, store.arena.leases.tolist(), len(store.leases),
+                sorted(store.reservations), len(store.policy))
+
     def reserve_keys(self, chosen: list[ChunkKey], owner: int) -> list[ChunkKey]:
+        if self.refused(lambda: self.store.reserve(owner, NS, chosen, payload_len=PAYLOAD,
+                                                   tokens=TOKENS), chosen):
+            return []
         slots = self.store.reserve(owner, NS, chosen, payload_len=PAYLOAD, tokens=TOKENS)
         assert len(slots) == len(chosen)
         granted = []
@@ -119,6 +144,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.commit_keys(self.pick(choice, sorted(self.reserved)))
 
     def commit_keys(self, chosen: list[ChunkKey]) -> None:
+        if self.refused(lambda: self.store.commit(chosen), chosen):
+            return
         mine = [key for key in chosen if key in self.reserved]
         assert self.store.commit(chosen) == len(mine)
         for key in mine:
@@ -128,6 +155,8 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(choice=choices)
     def abort(self, choice: list[int]) -> None:
         chosen = self.pick(choice, sorted(self.reserved))
+        if self.refused(lambda: self.store.abort(chosen), chosen):
+            return
         mine = [key for key in chosen if key in self.reserved]
         assert self.store.abort(chosen) == len(mine)
         for key in mine:
@@ -138,11 +167,18 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(choice=choices, owner=st.sampled_from(OWNERS), hold=st.booleans())
     def lease(self, choice: list[int], owner: int, hold: bool) -> None:
         chosen = self.pick(choice, [key for key in KEYS if self.store.lookup([key])])
+        if self.refused(lambda: self.store.lookup(chosen), chosen):
+            assert self.refused(lambda: self.store.lease(owner, chosen), chosen)
+            return
         tiers = self.store.lookup(chosen)
         assert set(tiers) <= {"arena", "disk"}
         assert all(key in self.committed for key in chosen[: len(tiers)])
+        no_slot = sample(self.store, "kvtier_store_refusals_total", reason="arena_full_promote")
         record = self.store.lease(owner, chosen)
         assert [item.key for item in record.items] == chosen[: len(record.items)]
+        if sample(self.store, "kvtier_store_refusals_total",
+                  reason="arena_full_promote") == no_slot:
+            assert len(record.items) == len(tiers), "the lease grants what lookup promised"
         assert self.store.wait(record.lease_id, 10.0).done
         ready: list[tuple[ChunkKey, int]] = []
         for item in record.items:
@@ -174,7 +210,7 @@ class StoreMachine(RuleBasedStateMachine):
         """
         chosen = [likely[i % len(likely)] if likely and i % 4 else KEYS[i % len(KEYS)]
                   for i in choice]
-        return list(dict.fromkeys(chosen))
+        return chosen  # a key may repeat: such calls must be refused whole
 
     def check_bytes(self, key: ChunkKey, slot: int) -> None:
         got = self.store.arena.array[slot, HEADER_SIZE : HEADER_SIZE + PAYLOAD].tobytes()

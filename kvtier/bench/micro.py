@@ -9,6 +9,8 @@ same bytes, so machine noise cancels out of the ratios:
   plain ``open/write/fsync`` and ``readinto``; reads are measured cold (both evicted from the
   page cache) and warm;
 - lookup: round trip over the socket for a 128K-token prompt (512 keys, all hits);
+- housekeeping: the longest store-lock hold of expiry, clients leaving and coming back and
+  the other periodic work, with 1M chunks indexed (:mod:`kvtier.bench.housekeeping`);
 - key hashing: bytes of int32 token ids chained through sha256 per second.
 """
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench import pagecache
+from kvtier.bench import housekeeping, pagecache
 from kvtier.bench.report import Row, print_table
 from kvtier.client import KvtierClient
 from kvtier.codec import HEADER_SIZE, seal, stored_size
@@ -43,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", type=int, default=64, help="chunks per timed batch")
     p.add_argument("--repeats", type=int, default=7, help="timed batches (median is reported)")
     p.add_argument("--dir", default=None, help="folder for the disk tier (default: a temp dir)")
+    p.add_argument("--housekeeping-chunks", type=int, default=1_000_000,
+                   help="chunks indexed for the housekeeping figure")
     p.add_argument("--json", dest="json_path", help="write the figures to this file")
     p.set_defaults(func=run)
 
@@ -55,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
         arena_rows, arena_figs = _bench_arena(Path(tmp), payload, args.chunks, args.repeats)
         disk_rows, disk_figs = _bench_disk(Path(tmp), payload, args.chunks, args.repeats)
         lookup_rows, lookup_figs = _bench_lookup(Path(tmp))
-    rows += arena_rows + disk_rows + lookup_rows
-    figures.update(arena_figs | disk_figs | lookup_figs)
+        hk_rows, hk_figs = housekeeping.bench(Path(tmp), args.housekeeping_chunks)
+    rows += arena_rows + disk_rows + lookup_rows + hk_rows
+    figures.update(arena_figs | disk_figs | lookup_figs | hk_figs)
     hash_rows, hash_figs = _bench_hash()
     rows += hash_rows
     figures.update(hash_figs)

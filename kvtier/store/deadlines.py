@@ -36,11 +36,12 @@ class Deadlines(Generic[T]):
         found = self._live.get(item)
         return None if found is None else found[0]
 
-    def pop_expired(self, now: float) -> list[T]:
-        """Remove and return every item whose deadline is at or before ``now``."""
+    def pop_expired(self, now: float, limit: int | None = None) -> list[T]:
+        """Remove and return the items whose deadline is at or before ``now`` (at most
+        ``limit``, soonest first)."""
         out: list[T] = []
         heap = self._heap
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] <= now and (limit is None or len(out) < limit):
             deadline, seq, item = heapq.heappop(heap)
             if self._live.get(item) == (deadline, seq):
                 del self._live[item]

@@ -69,9 +69,9 @@ class Holdings(Generic[T]):
         for item in self._by_owner.get(owner, ()):
             self._deadlines.set(item, deadline)
 
-    def expired(self, now: float) -> list[T]:
-        """The items past their deadline, removed from the books."""
-        items = self._deadlines.pop_expired(now)
+    def expired(self, now: float, limit: int | None = None) -> list[T]:
+        """The items past their deadline (at most ``limit``), removed from the books."""
+        items = self._deadlines.pop_expired(now, limit)
         for item in items:
             self.remove(item)
         return items

@@ -27,6 +27,8 @@ from kvtier.store.lower import LowerTierState
 
 Locked = Callable[[str], AbstractContextManager[None]]
 SPACE_CHECK_S = 5.0
+BATCH = 64
+"""Jobs whose time ran out handled per lock hold."""
 PROBE_NAMESPACE = bytes(32)
 """Probe chunks live in a namespace of their own (all zeros), which no engine computes."""
 
@@ -54,15 +56,12 @@ class Housekeeper:
 
     def _overdue(self, state: LowerTierState) -> None:
         abandoned, late = state.pool.overdue()
-        if not (abandoned or late):
-            return
-        with self.locked("overdue"):
-            for job in abandoned:
-                if job.on_abandon is not None:
-                    job.on_abandon()
-            for job in late:
-                if job.on_late is not None:
-                    job.on_late()
+        calls = [j.on_abandon for j in abandoned if j.on_abandon is not None]
+        calls += [j.on_late for j in late if j.on_late is not None]
+        for start in range(0, len(calls), BATCH):  # a hung tier's whole queue, in batches
+            with self.locked("overdue"):
+                for call in calls[start : start + BATCH]:
+                    call()
 
     def _probe(self, state: LowerTierState) -> None:
         def run(job: Job) -> None:

@@ -57,10 +57,10 @@ class LeaseTable:
                 item.state = ItemState.FAILED
         return record
 
-    def expired(self, now: float) -> list[LeaseRecord]:
-        """Close and return every lease past its deadline."""
+    def expired(self, now: float, limit: int | None = None) -> list[LeaseRecord]:
+        """Close and return the leases past their deadline (at most ``limit``)."""
         out = []
-        for lease_id in self.holdings.expired(now):
+        for lease_id in self.holdings.expired(now, limit):
             out.append(self.close(lease_id))
         return out
 

@@ -17,6 +17,8 @@ METRICS: dict[str, tuple[str, bool]] = {
     "loaded_tokens": ("Tokens loaded into vLLM's KV cache, by the tier they came from", True),
     "failed_load_tokens": ("Tokens whose load failed (missing, corrupt, late): recomputed",
                            False),
+    "skipped_slower_than_recompute": ("Hit tokens recomputed because loading them would "
+                                      "have been slower, by tier", True),
     "cancelled_loads": ("Loads dropped because their request ended first (e.g. aborted)",
                         False),
     "stored_chunks": ("Chunks stored into kvtier (committed)", False),

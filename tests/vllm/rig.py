@@ -64,6 +64,8 @@ class FakeEngine:
     tp: int = 1
     hold_loads_s: float = 0.0
     load_timeout_s: float = 5.0
+    prefill_tokens_per_s: float = 0.0
+    load_or_recompute: bool = True
     sched: SchedulerSide = field(init=False)
     workers: list[WorkerSide] = field(init=False)
     caches: list[dict[str, torch.Tensor]] = field(init=False)
@@ -75,6 +77,8 @@ class FakeEngine:
     def __post_init__(self) -> None:
         cfg = ConnectorConfig(server_socket=self.socket, chunk_tokens=CHUNK,
                               retry_interval_s=0.05, load_timeout_s=self.load_timeout_s,
+                              prefill_tokens_per_s=self.prefill_tokens_per_s,
+                              load_or_recompute=self.load_or_recompute,
                               faults=FaultConfig(hold_loads_s=self.hold_loads_s))
         client = KvtierClient(self.socket, name="rig-scheduler", timeout_s=2.0)
         self.sched = SchedulerSide(cfg, namespace(self.tp), layout(self.tp), BLOCK,
