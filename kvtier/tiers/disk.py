@@ -3,7 +3,7 @@
 Layout under ``options.path`` (only hex of keys ever becomes a file name)::
 
     chunks/ab/cd/abcd…(64 hex).kvc    a stored chunk, byte for byte the arena slot (codec layout)
-    tmp/<hex>.<pid>.<random>.tmp      a write in flight; leftovers of dead writers go in scan()
+    tmp/<hex>.<host>.<pid>.<random>.tmp   a write in flight; leftovers of dead writers go in scan()
     quarantine/<name>.<time_ns>       chunks that failed verification, bad names, bad headers
 
 Chunks are page padded and arena slots page aligned, so reads and writes bypass the page cache
@@ -14,9 +14,6 @@ same bytes in the page cache would only crowd it out.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import mmap
 import os
 import re
 import secrets
@@ -25,19 +22,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-
 from kvtier import codec
 from kvtier.config import TierConfig, parse
-from kvtier.errors import ConfigError, CorruptChunkError, TierFull, TierIOError
+from kvtier.errors import ConfigError, CorruptChunkError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.processes import alive
 from kvtier.tiers.base import LowerTier, Space, StoredChunk
+from kvtier.tiers.files import FileIO, listdir, os_errors, probe_o_direct, temp_name
 
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _CHUNK_NAME = re.compile(r"([0-9a-f]{64})\.kvc")
-_UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
 @dataclass(frozen=True)
@@ -50,18 +44,6 @@ class DiskOptions:
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("path: expected a directory path, got an empty string")
-
-
-@contextlib.contextmanager
-def _os_errors(what: str) -> Iterator[None]:
-    """Re-raise OSError as the kvtier error the store acts on (TierFull stops admissions)."""
-    try:
-        yield
-    except TierIOError:
-        raise
-    except OSError as exc:
-        cls = TierFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else TierIOError
-        raise cls(exc.errno, f"disk tier: {what}: {exc.strerror}", exc.filename) from exc
 
 
 class DiskTier(LowerTier):
@@ -81,6 +63,7 @@ class DiskTier(LowerTier):
         except OSError as exc:
             raise ConfigError(f"{where}.path: cannot use {self.root!r}: {exc}") from exc
         self.o_direct = self._choose_o_direct(where)
+        self.io = FileIO(self.o_direct, self.options.fsync, self.options.dir_fsync)
 
     def _make_folders(self) -> None:
         for directory in (self._chunks, self._tmp, self._quarantine):
@@ -89,8 +72,8 @@ class DiskTier(LowerTier):
     def _choose_o_direct(self, where: str) -> bool:
         if self.options.o_direct == "off":
             return False
-        with _os_errors("probing O_DIRECT"):
-            supported = _probe_o_direct(self._tmp)
+        with os_errors("disk", "probing O_DIRECT"):
+            supported = probe_o_direct(self._tmp)
         if self.options.o_direct == "on" and not supported:
             raise ConfigError(f"{where}.o_direct: the filesystem of {self.root!r} refuses "
                               "O_DIRECT; use auto or off")
@@ -99,79 +82,31 @@ class DiskTier(LowerTier):
     def write(self, key: ChunkKey, data: memoryview) -> int:
         view = memoryview(data).cast("B")
         hexkey = _hex(key)
-        final = self._chunk_path(hexkey)
-        nonce = f"{self._token}{secrets.token_hex(4)}"
-        tmp = os.path.join(self._tmp, f"{hexkey}.{os.getpid()}.{nonce}.tmp")
-        with _os_errors(f"writing {hexkey}"):
+        tmp = os.path.join(self._tmp, temp_name(hexkey, self._token))
+        with os_errors("disk", f"writing {hexkey}"):
             try:
-                try:
-                    self._write_file(tmp, view)
-                except FileNotFoundError:  # the folder was removed under us: make it again
-                    self._make_folders()
-                    self._write_file(tmp, view)
-                try:
-                    os.replace(tmp, final)
-                except FileNotFoundError:  # first chunk in this shard: make it, try once more
-                    os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-                    os.replace(tmp, final)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            if self.options.dir_fsync:
-                _fsync_dir(os.path.dirname(final))
-        return len(view)
-
-    def _write_file(self, path: str, view: memoryview) -> None:
-        direct = self.o_direct and _page_aligned(view) and len(view) % codec.PAGE == 0
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
-        fd = os.open(path, flags, 0o600)  # KV can reveal prompts: owner only
-        try:
-            done = 0
-            while done < len(view):
-                written = os.write(fd, view[done:])
-                if written == 0:
-                    raise OSError(errno.EIO, "write made no progress", path)
-                done += written
-            if self.options.fsync:
-                os.fdatasync(fd)  # flushes the size too, which is all a reader needs
-        finally:
-            os.close(fd)
+                return self.io.write_atomic(self._chunk_path(hexkey), tmp, view)
+            except FileNotFoundError:  # the tier's folder was removed under us: make it again
+                self._make_folders()
+                return self.io.write_atomic(self._chunk_path(hexkey), tmp, view)
 
     def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
-        view = memoryview(dst).cast("B")
         hexkey = _hex(key)
-        direct = self.o_direct and _page_aligned(view)
-        flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
-        with _os_errors(f"reading {hexkey}"):
-            try:
-                fd = os.open(self._chunk_path(hexkey), flags)
-            except FileNotFoundError:
-                return None
-            try:
-                size = os.fstat(fd).st_size
-                if size > len(view):
-                    raise CorruptChunkError(
-                        f"disk chunk {hexkey} has {size} bytes, more than the {len(view)} given"
-                    )
-                if direct and size % codec.PAGE:  # O_DIRECT reads whole pages only
-                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-                return _read_fully(fd, view[:size])
-            finally:
-                os.close(fd)
+        with os_errors("disk", f"reading {hexkey}"):
+            return self.io.read_into(self._chunk_path(hexkey), memoryview(dst).cast("B"))
 
     def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         hexkey = _hex(key)
-        with _os_errors(f"deleting {hexkey}"), contextlib.suppress(FileNotFoundError):
+        with os_errors("disk", f"deleting {hexkey}"), contextlib.suppress(FileNotFoundError):
             os.unlink(self._chunk_path(hexkey))
 
     def quarantine(self, key: ChunkKey, *, namespace: bytes) -> None:
         hexkey = _hex(key)
-        with _os_errors(f"quarantining {hexkey}"), contextlib.suppress(FileNotFoundError):
+        with os_errors("disk", f"quarantining {hexkey}"), contextlib.suppress(FileNotFoundError):
             self._move_to_quarantine(self._chunk_path(hexkey))
 
     def scan(self) -> Iterator[StoredChunk]:
-        with _os_errors("scanning"):
+        with os_errors("disk", "scanning"):
             self._remove_dead_temps()
             for path, key in self._walk_chunks():
                 try:
@@ -202,39 +137,34 @@ class DiskTier(LowerTier):
         os.replace(path, os.path.join(self._quarantine, f"{name}.{time.time_ns()}"))
 
     def _remove_dead_temps(self) -> None:
-        for entry in _listdir(self._tmp):
+        for entry in listdir(self._tmp):
             if entry.is_dir(follow_symlinks=False):
                 self._move_to_quarantine(entry.path)  # not ours to delete recursively
             elif not self._in_flight(entry.name):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
 
-    def _in_flight(self, temp_name: str) -> bool:
-        parts = temp_name.split(".")
-        if len(parts) != 4 or not parts[1].isdigit():
+    def _in_flight(self, name: str) -> bool:
+        parts = name.split(".")  # <hex>.<host>.<pid>.<nonce>.tmp (files.temp_name)
+        if len(parts) != 5 or not parts[2].isdigit():
             return False
-        pid = int(parts[1])
+        pid = int(parts[2])
         if pid == os.getpid():  # pids repeat across restarts (pid 1 in a container)
-            return parts[2].startswith(self._token)
+            return parts[3].startswith(self._token)
         return alive(pid)
 
     def _walk_chunks(self) -> Iterator[tuple[str, ChunkKey | None]]:
         """Every entry under chunks/ with its key, or ``None`` where it is not a chunk file."""
-        for top in _listdir(self._chunks):
+        for top in listdir(self._chunks):
             if not _is_shard(top):
                 yield top.path, None
                 continue
-            for mid in _listdir(top.path):
+            for mid in listdir(top.path):
                 if not _is_shard(mid):
                     yield mid.path, None
                     continue
-                for leaf in _listdir(mid.path):
+                for leaf in listdir(mid.path):
                     yield leaf.path, _key_of(leaf, top.name + mid.name)
-
-
-def _listdir(path: str) -> list[os.DirEntry[str]]:
-    with os.scandir(path) as entries:
-        return list(entries)
 
 
 def _is_shard(entry: os.DirEntry[str]) -> bool:
@@ -264,50 +194,6 @@ def _inspect(path: str, key: ChunkKey) -> StoredChunk | None:
     if header.key != key or stat.st_size < codec.stored_size(header.payload_len):
         return None
     return StoredChunk(key, stat.st_size, stat.st_mtime, header.priority, header.namespace_fp)
-
-
-def _read_fully(fd: int, view: memoryview) -> int:
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], done)
-        if got == 0:
-            break
-        done += got
-    return done
-
-
-def _probe_o_direct(directory: str) -> bool:
-    """Whether O_DIRECT opens and writes work here (older tmpfs and ramfs refuse)."""
-    if not _O_DIRECT:
-        return False
-    path = os.path.join(directory, f"probe.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    page = mmap.mmap(-1, codec.PAGE)  # anonymous maps are page aligned, as O_DIRECT needs
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
-        try:
-            return os.write(fd, page) == codec.PAGE
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        if exc.errno in _UNSUPPORTED:
-            return False
-        raise
-    finally:
-        page.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _page_aligned(view: memoryview) -> bool:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) % codec.PAGE == 0
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hex(key: ChunkKey) -> str:

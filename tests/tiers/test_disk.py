@@ -101,8 +101,9 @@ def test_scan_removes_leftover_temp_files(tmp_path: Path) -> None:
     key = key_of("kept")
     tier.write(key, sealed_chunk(key))
     tmp = tmp_path / "disk" / "tmp"
-    dead = [f"{key.hex()}.2147483647.0a1b.tmp", f"{key.hex()}.{os.getpid()}.0a1b.tmp", "junk"]
-    live = f"{key.hex()}.{os.getppid()}.0a1b.tmp"  # our parent is alive: a write in flight
+    dead = [f"{key.hex()}.host.2147483647.0a1b.tmp", f"{key.hex()}.host.{os.getpid()}.0a1b.tmp",
+            f"{key.hex()}.2147483647.0a1b.tmp", "junk"]
+    live = f"{key.hex()}.host.{os.getppid()}.0a1b.tmp"  # our parent is alive: a write in flight
     for name in [*dead, live]:
         (tmp / name).write_bytes(b"half a chunk")
     assert [c.key for c in tier.scan()] == [key]

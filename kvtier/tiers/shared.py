@@ -1,0 +1,131 @@
+"""The contract of a shared tier: one store seen by the kvtier servers of many nodes.
+
+A shared tier (``fs`` on an NFS-style mount, ``s3``, ``redis``) is a lower tier whose chunks any
+server may write, read and delete. On top of :class:`~kvtier.tiers.base.LowerTier` it stores
+small *notes* — named byte strings the servers use to coordinate without talking to each
+other (:mod:`kvtier.store.sharing`): a journal of what each server wrote and deleted, and
+heartbeats that elect the one server that sweeps. Layout, the same on every backend::
+
+    chunks/<namespace hex>/<key hex[:2]>/<key hex>.kvc    one chunk: header page + payload
+    notes/journal/<ms>-<server>-<seq>                      batched records of puts, deletes, touches
+    notes/servers/<server>                                 heartbeat (time, version)
+    tmp/...                                                writes in flight (backends that need it)
+
+Namespaces stay apart so usage can be listed and budgeted per namespace. Every chunk read is
+verified by the store, so whatever a backend returns — a torn object, another writer's newer
+copy, a deleted object — is at worst a miss. Calls block on the network or the mount; the
+store bounds them with ``io_timeout_s`` and never calls a tier under its lock.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+from kvtier.keys import KEY_BYTES, ChunkKey
+from kvtier.tiers.base import LowerTier, StoredChunk
+
+NOTE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
+CHUNK_FILE = re.compile(r"([0-9a-f]{64})\.kvc")
+
+
+@dataclass(frozen=True)
+class SharingOptions:
+    """How the servers sharing one tier keep their views of it in step (every shared tier's
+    ``options`` accept these keys besides its own)."""
+
+    namespace_bytes: int | None = None
+    """Byte budget of each namespace (default: the tier's ``capacity_bytes``)."""
+    journal_interval_s: float = 0.2
+    """A server's own puts, deletes and touches are published at most this late."""
+    poll_s: float = 0.5
+    """How often a server reads the others' journal: a chunk written elsewhere is found
+    within about ``journal_interval_s + poll_s``."""
+    touch_interval_s: float = 60.0
+    """A hit refreshes a chunk's recency on the tier at most this often per server."""
+    sweep_interval_s: float = 30.0
+    """How often the sweeping server enforces namespace budgets and cleans up."""
+    journal_keep_s: float = 300.0
+    """Journal notes older than this are deleted; a server further behind rescans."""
+    stale_temp_s: float = 600.0
+    """Temporary objects of writes older than this were left by killed writers."""
+
+    def __post_init__(self) -> None:
+        for name in ("journal_interval_s", "poll_s", "touch_interval_s", "sweep_interval_s",
+                     "journal_keep_s", "stale_temp_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.journal_keep_s < 10 * self.poll_s:
+            raise ConfigError("journal_keep_s must be at least 10 x poll_s")
+
+
+SHARING_KEYS = frozenset(SharingOptions.__dataclass_fields__)
+
+
+class SharedTier(LowerTier):
+    """A lower tier other servers see too; see the module docstring."""
+
+    shared = True
+    sharing: SharingOptions
+
+    @abstractmethod
+    def scan_namespace(self, namespace: bytes) -> Iterator[StoredChunk]:
+        """Every chunk of one namespace (for budgets and ``kvtier rm``)."""
+
+    @abstractmethod
+    def namespaces(self) -> list[bytes]:
+        """The namespaces that hold chunks now."""
+
+    @abstractmethod
+    def touch(self, key: ChunkKey, *, namespace: bytes) -> None:
+        """Refresh the chunk's recency as the backend sees it (best effort; a missing
+        chunk is not an error)."""
+
+    @abstractmethod
+    def put_note(self, name: str, data: bytes) -> None:
+        """Store a small note under ``name`` (replacing any)."""
+
+    @abstractmethod
+    def get_note(self, name: str) -> bytes | None: ...
+
+    @abstractmethod
+    def list_notes(self, prefix: str, start_after: str = "") -> list[str]:
+        """Names under ``prefix`` (a folder such as ``journal/``) sorting after
+        ``start_after``, in order."""
+
+    @abstractmethod
+    def delete_note(self, name: str) -> None:
+        """A missing note is not an error."""
+
+    def clean_stale_temps(self, older_than_s: float) -> int:
+        """Remove what killed writers left behind (temp files, unfinished uploads) older
+        than ``older_than_s``; returns how many. Default: the backend leaves nothing."""
+        return 0
+
+
+def check_note_name(name: str) -> str:
+    if not NOTE_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"note name {name!r}: letters, digits, '_', '.', '-' in '/' parts")
+    return name
+
+
+def namespace_hex(namespace: bytes) -> str:
+    if len(namespace) != 32:
+        raise ValueError(f"a namespace fingerprint is 32 bytes, got {len(namespace)}")
+    return namespace.hex()
+
+
+def key_hex(key: ChunkKey) -> str:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {len(key)}")
+    return key.hex()
+
+
+def chunk_name(namespace: bytes, key: ChunkKey) -> str:
+    """``chunks/<ns>/<kk>/<key>.kvc``: the chunk's name on every shared backend."""
+    hexkey = key_hex(key)
+    return f"chunks/{namespace_hex(namespace)}/{hexkey[:2]}/{hexkey}.kvc"
