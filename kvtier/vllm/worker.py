@@ -10,6 +10,9 @@ computed them. Then the worker reports:
 - blocks that failed to load (vLLM recomputes from the first one);
 - stored / failed chunk keys (the scheduler side commits or aborts them).
 
+On CUDA copies finish asynchronously (:mod:`kvtier.vllm.cuda_copier`): they are reported
+once their event completed; pending stores are waited for before the next forward.
+
 A job whose arena is not the one this worker maps (the server restarted since the
 scheduler leased or reserved) fails as a whole: the slot numbers would point into another
 arena. Nothing here raises into vLLM; any error turns into failures.
@@ -26,9 +29,14 @@ import numpy as np
 import torch
 
 from kvtier.codec import HEADER_SIZE
+from kvtier.errors import ConfigError
 from kvtier.vllm.counters import Counters
+from kvtier.vllm.cuda_copier import CudaCopier
+from kvtier.vllm.lanes import CudaLane, Lane
 from kvtier.vllm.metadata import LoadJob, PayloadLayout, StoreJob, WorkerReport
-from kvtier.vllm.transfer import ChunkCopy, CpuCopier, CudaCopier, page_views
+from kvtier.vllm.pages import page_views
+from kvtier.vllm.pinning import PinMode, default_pinner
+from kvtier.vllm.transfer import ChunkCopy, CpuCopier
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -65,21 +73,37 @@ class WorkerSide:
         self._pending_loads: list[tuple[Any, LoadJob]] = []
         self._pending_stores: list[tuple[Any, list[bytes]]] = []
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: Mapping[str, torch.Tensor], lane: Lane | None = None
+                 ) -> None:
+        """Map the KV caches; ``lane``: run the staged (CUDA) copier there, whatever the
+        device (tests use a fake lane on CPU tensors)."""
         try:
             pages = page_views(kv_caches, self.num_blocks, self.layout.page_bytes)
-        except ValueError as exc:
+        except ConfigError as exc:
             log.error("kvtier disabled on this worker: %s", exc)
             return
         if len(pages) != self.layout.num_layers:
             log.error("kvtier disabled on this worker: %d distinct layer caches, expected %d",
                       len(pages), self.layout.num_layers)
             return
+        try:
+            self.copier = self._copier(pages, lane)
+        except Exception:  # e.g. no memory left for the staging buffer: vLLM goes on
+            log.exception("kvtier disabled on this worker: no copier")
+
+    def _copier(self, pages: list[torch.Tensor], lane: Lane | None
+                ) -> CpuCopier | CudaCopier:
+        if lane is not None:
+            return CudaCopier(pages, self.layout, self.rank, lane)
         device = pages[0].device
         if device.type == "cuda":
-            self.copier = CudaCopier(pages, self.layout, self.rank, device)
-        else:
-            self.copier = CpuCopier(pages, self.layout, self.rank)
+            copier = CudaCopier(pages, self.layout, self.rank, CudaLane(device),
+                                default_pinner())
+            log.info("kvtier worker %d: %d layer stack(s), %d run(s) per page, staging %d "
+                     "bytes on %s", self.rank, len(copier.stacks), int(pages[0].shape[1]),
+                     int(copier.staging.numel()), device)
+            return copier
+        return CpuCopier(pages, self.layout, self.rank)
 
     # ------------------------------------------------------------------ arena
 
@@ -98,12 +122,19 @@ class WorkerSide:
                     return None
             arena = self.client.arena
             if arena is not self._attached:
-                self.copier.attach(arena.array)
+                self._attached = None
+                self._count_pinning(self.copier.attach(arena.array))
                 self._attached = arena
             return arena.array
         except Exception as exc:  # server gone, mapping failed: the jobs fail, vLLM goes on
             log.warning("kvtier arena unavailable on worker %d: %s", self.rank, exc)
             return None
+
+    def _count_pinning(self, mode: PinMode | None) -> None:
+        if mode is PinMode.PINNED:
+            self.counters.add("arena_pinned")
+        elif mode is PinMode.PAGEABLE:
+            self.counters.add("arena_pageable")
 
     def _payload(self, arena: np.ndarray, slot: int) -> np.ndarray:
         return arena[slot, HEADER_SIZE : HEADER_SIZE + self.layout.payload_len]
@@ -194,7 +225,7 @@ class WorkerSide:
         """Wait for stores still reading KV blocks (before vLLM may overwrite them)."""
         for event, keys in self._pending_stores:
             if _finished(event, wait=True):
-                self._stored(keys, 0.0)
+                self._stored(keys, _seconds(event))
             else:
                 self._report.failed += keys
         self._pending_stores.clear()
@@ -208,7 +239,7 @@ class WorkerSide:
             if done is None:
                 self._fail_load(job)
             elif done:
-                self._load_done(job, 0.0)
+                self._load_done(job, _seconds(event))
             else:
                 still.append((event, job))
         self._pending_loads = still
@@ -218,7 +249,7 @@ class WorkerSide:
             if done is None:
                 self._report.failed += keys
             elif done:
-                self._stored(keys, 0.0)
+                self._stored(keys, _seconds(event))
             else:
                 stores.append((event, keys))
         self._pending_stores = stores
@@ -260,3 +291,11 @@ def _finished(event: Any, wait: bool = False) -> bool | None:
     except Exception:
         log.exception("kvtier copy failed on the device")
         return None
+
+
+def _seconds(event: Any) -> float:
+    """Device time of a finished copy (0 if the event cannot tell)."""
+    try:
+        return float(event.seconds())
+    except Exception:
+        return 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier.vllm.config import ConnectorConfig, FaultConfig, RequestOptions
+from kvtier.vllm.lanes import Lane
 from kvtier.vllm.link import ServerLink
 from kvtier.vllm.metadata import PayloadLayout, StepPlan, WorkerReport
 from kvtier.vllm.scheduler import ScheduledReq, SchedulerSide, StepView
@@ -64,6 +66,8 @@ class FakeEngine:
     tp: int = 1
     hold_loads_s: float = 0.0
     load_timeout_s: float = 5.0
+    lane: Callable[[], Lane] | None = None
+    """Run the workers' staged (CUDA) copier on this lane instead of the CPU copier."""
     sched: SchedulerSide = field(init=False)
     workers: list[WorkerSide] = field(init=False)
     caches: list[dict[str, torch.Tensor]] = field(init=False)
@@ -85,7 +89,7 @@ class FakeEngine:
                      for i in range(LAYERS)}
             worker = WorkerSide(layout(self.tp), rank, NUM_BLOCKS,
                                 KvtierClient(self.socket, name=f"rig-worker-{rank}"))
-            worker.register(cache)
+            worker.register(cache, lane=self.lane() if self.lane else None)
             self.caches.append(cache)
             self.workers.append(worker)
 
