@@ -31,6 +31,8 @@ METRICS: dict[str, tuple[str, bool]] = {
     "arena_pinned": ("Arena mappings a worker registered as pinned memory (CUDA)", False),
     "arena_pageable": ("Arena mappings a worker could not pin: copies are correct but slower "
                        "and may block the worker (CUDA)", False),
+    "flushed_stores": ("Store batches a worker waited for before a forward because vLLM "
+                       "reused their blocks (CUDA)", False),
 }
 
 

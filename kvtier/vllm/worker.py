@@ -11,7 +11,8 @@ computed them. Then the worker reports:
 - stored / failed chunk keys (the scheduler side commits or aborts them).
 
 On CUDA copies finish asynchronously (:mod:`kvtier.vllm.cuda_copier`): they are reported
-once their event completed; pending stores are waited for before the next forward.
+once their event completed, and before a forward the worker waits only for the stores the
+plan names in ``flush`` (vLLM reuses their blocks in that step, :mod:`kvtier.vllm.fencing`).
 
 A job whose arena is not the one this worker maps (the server restarted since the
 scheduler leased or reserved) fails as a whole: the slot numbers would point into another
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -221,14 +222,24 @@ class WorkerSide:
         self.counters.add("store_bytes", pages * self.layout.page_bytes)
         self.counters.add("store_seconds", seconds)
 
-    def flush_stores(self) -> None:
-        """Wait for stores still reading KV blocks (before vLLM may overwrite them)."""
-        for event, keys in self._pending_stores:
+    def flush_stores(self, keys: Collection[bytes]) -> None:
+        """Wait for the pending stores among ``keys``: vLLM is about to overwrite their
+        blocks (called before the forward, in ``handle_preemptions``). A store copies one
+        batch per step; waiting for one key waits for its batch."""
+        if not keys or not self._pending_stores:
+            return
+        wanted = set(keys)
+        still: list[tuple[Any, list[bytes]]] = []
+        for event, batch in self._pending_stores:
+            if wanted.isdisjoint(batch):
+                still.append((event, batch))
+                continue
+            self.counters.add("flushed_stores")
             if _finished(event, wait=True):
-                self._stored(keys, _seconds(event))
+                self._stored(batch, _seconds(event))
             else:
-                self._report.failed += keys
-        self._pending_stores.clear()
+                self._report.failed += batch
+        self._pending_stores = still
 
     # ------------------------------------------------------------------ reporting
 

@@ -21,6 +21,7 @@ import torch
 from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier.vllm.config import ConnectorConfig, FaultConfig, RequestOptions
+from kvtier.vllm.fencing import Reuse
 from kvtier.vllm.lanes import Lane
 from kvtier.vllm.link import ServerLink
 from kvtier.vllm.metadata import PayloadLayout, StepPlan, WorkerReport
@@ -125,7 +126,12 @@ class FakeEngine:
                 continue
             n = min(len(req.info.tokens) - req.computed, budget)
             scheduled.append(ScheduledReq(req_id, req.computed, n, not req.scheduled_once))
-        plan = self.sched.build_plan(StepView(scheduled, lambda r: self.reqs[r].blocks))
+        # vLLM reports the blocks of requests scheduled for the first time as allocated.
+        fresh = frozenset(b for s in scheduled if s.is_new for b in self.reqs[s.req_id].blocks)
+        plan = self.sched.build_plan(StepView(scheduled, lambda r: self.reqs[r].blocks,
+                                              Reuse(fresh)))
+        for worker in self.workers:  # handle_preemptions: before the forward writes blocks
+            worker.flush_stores(plan.flush)
         for s in scheduled:
             self.compute(self.reqs[s.req_id], s.num_computed, s.num_scheduled)
         self.run_workers(plan)
