@@ -23,6 +23,7 @@ _PLUGINS = {
     "trace": "kvtier.trace.cli",
 }
 _BENCH_PLUGINS = {
+    "gpu": "kvtier.bench.gpu",
     "micro": "kvtier.bench.micro",
     "ttft": "kvtier.bench.ttft",
 }

@@ -27,6 +27,7 @@ from kvtier.client import KvtierClient
 from kvtier.codec import HEADER_SIZE, align_up
 from kvtier.vllm import identity
 from kvtier.vllm.config import ConnectorConfig, RequestOptions
+from kvtier.vllm.fencing import Reuse
 from kvtier.vllm.link import ServerLink
 from kvtier.vllm.metadata import StepPlan, WorkerReport
 from kvtier.vllm.scheduler import ScheduledReq, SchedulerSide, StepView
@@ -163,8 +164,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # Stores read their blocks within the step (CPU) or before the next forward (CUDA,
-        # handle_preemptions), so vLLM may free the blocks right away.
+        # Stores read their blocks within the step (CPU), or finish before a forward that
+        # reuses the blocks (CUDA: handle_preemptions flushes them), so vLLM may free the
+        # blocks right away.
         return False, self.sched.request_finished(request.request_id)
 
     def has_pending_push_work(self) -> bool:
@@ -186,7 +188,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self.worker.flush_stores()
+        # Before this step's forward, zeroing and block copies: wait for the stores whose
+        # blocks vLLM reuses now (kvtier.vllm.fencing); the others keep running.
+        if isinstance(kv_connector_metadata, KvtierMetadata):
+            self.worker.flush_stores(kv_connector_metadata.plan.flush)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # Also on empty steps (attn_metadata None): async loads are started there.
@@ -283,7 +288,23 @@ def _step_view(out: SchedulerOutput) -> StepView:
         groups = state.get_block_ids(req_id) if state is not None else None
         return list(groups[0]) if groups else None
 
-    return StepView(list(_scheduled(out)), block_ids)
+    return StepView(list(_scheduled(out)), block_ids, _reuse(out))
+
+
+def _reuse(out: SchedulerOutput) -> Reuse:
+    """Blocks this step hands out (new, resumed and grown requests) or writes before the
+    forward (zeroing, block copies), and whether it preempted a request."""
+    blocks: set[int] = set()
+    for new in out.scheduled_new_reqs:
+        for group in new.block_ids:
+            blocks.update(group)
+    for groups in out.scheduled_cached_reqs.new_block_ids:
+        for group in groups or ():
+            blocks.update(group)
+    blocks.update(out.new_block_ids_to_zero or ())
+    blocks.update(copy.dst_block_id for copy in out.kv_cache_block_copies or ())
+    blocks.discard(0)  # the null block
+    return Reuse(frozenset(blocks), bool(out.preempted_req_ids))
 
 
 def _source(tier: str) -> CacheHitSource:

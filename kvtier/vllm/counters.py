@@ -30,6 +30,11 @@ METRICS: dict[str, tuple[str, bool]] = {
     "load_seconds": ("Worker time spent copying loads", False),
     "store_bytes": ("Bytes copied from vLLM's KV cache into arena slots", False),
     "store_seconds": ("Worker time spent copying stores", False),
+    "arena_pinned": ("Arena mappings a worker registered as pinned memory (CUDA)", False),
+    "arena_pageable": ("Arena mappings a worker could not pin: copies are correct but slower "
+                       "and may block the worker (CUDA)", False),
+    "flushed_stores": ("Store batches a worker waited for before a forward because vLLM "
+                       "reused their blocks (CUDA)", False),
 }
 
 

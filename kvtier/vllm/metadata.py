@@ -65,9 +65,12 @@ class StoreJob:
 class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+    flush: list[bytes] = field(default_factory=list)
+    """Keys of earlier stores to wait for before this step's forward: vLLM reuses their
+    blocks now (see :mod:`kvtier.vllm.fencing`)."""
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.loads or self.stores or self.flush)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from kvtier.protocol import (
 )
 from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.counters import Counters
+from kvtier.vllm.fencing import Reuse, StoreFences
 from kvtier.vllm.link import ServerLink
 from kvtier.vllm.loads import chunk_loads, make_job, readiness
 from kvtier.vllm.metadata import LoadJob, PayloadLayout, StepPlan, StoreJob, WorkerReport
@@ -69,6 +70,8 @@ class ScheduledReq:
 class StepView:
     scheduled: list[ScheduledReq] = field(default_factory=list)
     block_ids: Callable[[str], list[int] | None] = lambda _req_id: None
+    reuse: Reuse = field(default_factory=Reuse)
+    """Blocks vLLM hands out or overwrites this step (for :mod:`kvtier.vllm.fencing`)."""
 
 
 @dataclass
@@ -93,6 +96,7 @@ class SchedulerSide:
         self._reqs: dict[str, ReqState] = {}
         self._loads: dict[str, ReqState] = {}
         self._pending: dict[bytes, _Pending] = {}
+        self.fences = StoreFences()
         self._link_failures_seen = 0
         self._reported_at = 0.0
 
@@ -208,7 +212,9 @@ class SchedulerSide:
             if job is not None:
                 plan.loads.append(job)
         self._device_hits(step)
+        plan.flush = self.fences.flush(step.reuse)
         plan.stores = self._stores(step)
+        self.fences.add(plan.stores)
         self._count_link_failures()
         self._report(now)
         return plan
@@ -313,6 +319,7 @@ class SchedulerSide:
             self._load_done(req_id)
         if report is not None:
             self._settle_stores(report)
+            self.fences.retain(self._pending)
         self._count_link_failures()
 
     def _load_done(self, req_id: str) -> None:

@@ -10,6 +10,10 @@ computed them. Then the worker reports:
 - blocks that failed to load (vLLM recomputes from the first one);
 - stored / failed chunk keys (the scheduler side commits or aborts them).
 
+On CUDA copies finish asynchronously (:mod:`kvtier.vllm.cuda_copier`): they are reported
+once their event completed, and before a forward the worker waits only for the stores the
+plan names in ``flush`` (vLLM reuses their blocks in that step, :mod:`kvtier.vllm.fencing`).
+
 A job whose arena is not the one this worker maps (the server restarted since the
 scheduler leased or reserved) fails as a whole: the slot numbers would point into another
 arena. Nothing here raises into vLLM; any error turns into failures.
@@ -19,16 +23,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from kvtier.codec import HEADER_SIZE
+from kvtier.errors import ConfigError
 from kvtier.vllm.counters import Counters
+from kvtier.vllm.cuda_copier import CudaCopier
+from kvtier.vllm.lanes import CudaLane, Lane
 from kvtier.vllm.metadata import LoadJob, PayloadLayout, StoreJob, WorkerReport
-from kvtier.vllm.transfer import ChunkCopy, CpuCopier, CudaCopier, page_views
+from kvtier.vllm.pages import page_views
+from kvtier.vllm.pinning import PinMode, default_pinner
+from kvtier.vllm.transfer import ChunkCopy, CpuCopier
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -65,21 +74,37 @@ class WorkerSide:
         self._pending_loads: list[tuple[Any, LoadJob]] = []
         self._pending_stores: list[tuple[Any, list[bytes]]] = []
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: Mapping[str, torch.Tensor], lane: Lane | None = None
+                 ) -> None:
+        """Map the KV caches; ``lane``: run the staged (CUDA) copier there, whatever the
+        device (tests use a fake lane on CPU tensors)."""
         try:
             pages = page_views(kv_caches, self.num_blocks, self.layout.page_bytes)
-        except ValueError as exc:
+        except ConfigError as exc:
             log.error("kvtier disabled on this worker: %s", exc)
             return
         if len(pages) != self.layout.num_layers:
             log.error("kvtier disabled on this worker: %d distinct layer caches, expected %d",
                       len(pages), self.layout.num_layers)
             return
+        try:
+            self.copier = self._copier(pages, lane)
+        except Exception:  # e.g. no memory left for the staging buffer: vLLM goes on
+            log.exception("kvtier disabled on this worker: no copier")
+
+    def _copier(self, pages: list[torch.Tensor], lane: Lane | None
+                ) -> CpuCopier | CudaCopier:
+        if lane is not None:
+            return CudaCopier(pages, self.layout, self.rank, lane)
         device = pages[0].device
         if device.type == "cuda":
-            self.copier = CudaCopier(pages, self.layout, self.rank, device)
-        else:
-            self.copier = CpuCopier(pages, self.layout, self.rank)
+            copier = CudaCopier(pages, self.layout, self.rank, CudaLane(device),
+                                default_pinner())
+            log.info("kvtier worker %d: %d layer stack(s), %d run(s) per page, staging %d "
+                     "bytes on %s", self.rank, len(copier.stacks), int(pages[0].shape[1]),
+                     int(copier.staging.numel()), device)
+            return copier
+        return CpuCopier(pages, self.layout, self.rank)
 
     # ------------------------------------------------------------------ arena
 
@@ -98,12 +123,19 @@ class WorkerSide:
                     return None
             arena = self.client.arena
             if arena is not self._attached:
-                self.copier.attach(arena.array)
+                self._attached = None
+                self._count_pinning(self.copier.attach(arena.array))
                 self._attached = arena
             return arena.array
         except Exception as exc:  # server gone, mapping failed: the jobs fail, vLLM goes on
             log.warning("kvtier arena unavailable on worker %d: %s", self.rank, exc)
             return None
+
+    def _count_pinning(self, mode: PinMode | None) -> None:
+        if mode is PinMode.PINNED:
+            self.counters.add("arena_pinned")
+        elif mode is PinMode.PAGEABLE:
+            self.counters.add("arena_pageable")
 
     def _payload(self, arena: np.ndarray, slot: int) -> np.ndarray:
         return arena[slot, HEADER_SIZE : HEADER_SIZE + self.layout.payload_len]
@@ -190,14 +222,24 @@ class WorkerSide:
         self.counters.add("store_bytes", pages * self.layout.page_bytes)
         self.counters.add("store_seconds", seconds)
 
-    def flush_stores(self) -> None:
-        """Wait for stores still reading KV blocks (before vLLM may overwrite them)."""
-        for event, keys in self._pending_stores:
+    def flush_stores(self, keys: Collection[bytes]) -> None:
+        """Wait for the pending stores among ``keys``: vLLM is about to overwrite their
+        blocks (called before the forward, in ``handle_preemptions``). A store copies one
+        batch per step; waiting for one key waits for its batch."""
+        if not keys or not self._pending_stores:
+            return
+        wanted = set(keys)
+        still: list[tuple[Any, list[bytes]]] = []
+        for event, batch in self._pending_stores:
+            if wanted.isdisjoint(batch):
+                still.append((event, batch))
+                continue
+            self.counters.add("flushed_stores")
             if _finished(event, wait=True):
-                self._stored(keys, 0.0)
+                self._stored(batch, _seconds(event))
             else:
-                self._report.failed += keys
-        self._pending_stores.clear()
+                self._report.failed += batch
+        self._pending_stores = still
 
     # ------------------------------------------------------------------ reporting
 
@@ -208,7 +250,7 @@ class WorkerSide:
             if done is None:
                 self._fail_load(job)
             elif done:
-                self._load_done(job, 0.0)
+                self._load_done(job, _seconds(event))
             else:
                 still.append((event, job))
         self._pending_loads = still
@@ -218,7 +260,7 @@ class WorkerSide:
             if done is None:
                 self._report.failed += keys
             elif done:
-                self._stored(keys, 0.0)
+                self._stored(keys, _seconds(event))
             else:
                 stores.append((event, keys))
         self._pending_stores = stores
@@ -260,3 +302,11 @@ def _finished(event: Any, wait: bool = False) -> bool | None:
     except Exception:
         log.exception("kvtier copy failed on the device")
         return None
+
+
+def _seconds(event: Any) -> float:
+    """Device time of a finished copy (0 if the event cannot tell)."""
+    try:
+        return float(event.seconds())
+    except Exception:
+        return 0.0

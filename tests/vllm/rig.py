@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier.vllm.config import ConnectorConfig, FaultConfig, RequestOptions
+from kvtier.vllm.fencing import Reuse
+from kvtier.vllm.lanes import Lane
 from kvtier.vllm.link import ServerLink
 from kvtier.vllm.metadata import PayloadLayout, StepPlan, WorkerReport
 from kvtier.vllm.scheduler import ScheduledReq, SchedulerSide, StepView
@@ -66,6 +69,8 @@ class FakeEngine:
     load_timeout_s: float = 5.0
     prefill_tokens_per_s: float = 0.0
     load_or_recompute: bool = True
+    lane: Callable[[], Lane] | None = None
+    """Run the workers' staged (CUDA) copier on this lane instead of the CPU copier."""
     sched: SchedulerSide = field(init=False)
     workers: list[WorkerSide] = field(init=False)
     caches: list[dict[str, torch.Tensor]] = field(init=False)
@@ -89,7 +94,7 @@ class FakeEngine:
                      for i in range(LAYERS)}
             worker = WorkerSide(layout(self.tp), rank, NUM_BLOCKS,
                                 KvtierClient(self.socket, name=f"rig-worker-{rank}"))
-            worker.register(cache)
+            worker.register(cache, lane=self.lane() if self.lane else None)
             self.caches.append(cache)
             self.workers.append(worker)
 
@@ -125,7 +130,12 @@ class FakeEngine:
                 continue
             n = min(len(req.info.tokens) - req.computed, budget)
             scheduled.append(ScheduledReq(req_id, req.computed, n, not req.scheduled_once))
-        plan = self.sched.build_plan(StepView(scheduled, lambda r: self.reqs[r].blocks))
+        # vLLM reports the blocks of requests scheduled for the first time as allocated.
+        fresh = frozenset(b for s in scheduled if s.is_new for b in self.reqs[s.req_id].blocks)
+        plan = self.sched.build_plan(StepView(scheduled, lambda r: self.reqs[r].blocks,
+                                              Reuse(fresh)))
+        for worker in self.workers:  # handle_preemptions: before the forward writes blocks
+            worker.flush_stores(plan.flush)
         for s in scheduled:
             self.compute(self.reqs[s.req_id], s.num_computed, s.num_scheduled)
         self.run_workers(plan)

@@ -1,4 +1,4 @@
-"""Small pieces of the vLLM integration: config, page views, copies, stats, sizing, CLI."""
+"""Small pieces of the vLLM integration: config, stats, sizing, CLI."""
 
 from __future__ import annotations
 
@@ -6,15 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from kvtier.errors import ConfigError
 from kvtier.vllm.config import ConnectorConfig, RequestOptions
-from kvtier.vllm.metadata import PayloadLayout
 from kvtier.vllm.sizing import estimate_payload_len, flag_value
-from kvtier.vllm.transfer import ChunkCopy, CpuCopier, page_views
 
 
 def test_config_needs_exactly_one_way_to_the_server() -> None:
@@ -44,43 +40,6 @@ def test_request_options_never_fail_a_request() -> None:
     assert RequestOptions.from_params({"kvtier": "high"}) == RequestOptions()
     assert RequestOptions.from_params(None) == RequestOptions()
     assert not RequestOptions.from_params({"kvtier": {"load": False}}).load
-
-
-def test_page_views_dedupe_shared_layers_and_sort_by_layer() -> None:
-    backing = torch.arange(3 * 4 * 2 * 8, dtype=torch.float32).view(3, 4, 2, 8)
-    caches = {"model.layers.10.attn": backing[2], "model.layers.2.attn": backing[1],
-              "model.layers.0.attn": backing[0], "model.layers.1.attn": backing[0]}
-    views = page_views(caches, num_blocks=4, page_bytes=2 * 8 * 4)
-    assert len(views) == 3
-    assert [v.shape for v in views] == [(4, 64)] * 3
-    assert torch.equal(views[1][3], backing[1, 3].contiguous().view(torch.uint8).flatten())
-    assert torch.equal(views[2][0], backing[2, 0].contiguous().view(torch.uint8).flatten())
-
-
-def test_page_views_take_a_permuted_page_as_its_bytes() -> None:
-    physical = torch.arange(3 * 8 * 2 * 16, dtype=torch.float32).view(3, 8, 2, 16)
-    logical = physical.permute(0, 2, 1, 3)  # FlashAttention's [B, H, N, C] over [B, N, H, C]
-    (view,) = page_views({"model.layers.0.attn": logical}, num_blocks=3, page_bytes=1024)
-    assert torch.equal(view[1], physical[1].contiguous().view(torch.uint8).flatten())
-
-
-def test_page_views_refuse_a_page_with_gaps() -> None:
-    t = torch.zeros(2, 8, 4, 32)[..., :16]  # every row skips half of its bytes
-    with pytest.raises(ValueError, match="contiguous"):
-        page_views({"model.layers.0.attn": t}, num_blocks=2, page_bytes=8 * 4 * 16 * 4)
-
-
-def test_cpu_copier_round_trip_with_partial_chunk() -> None:
-    layout = PayloadLayout(num_layers=2, tp_size=1, blocks_per_chunk=2, page_bytes=16)
-    src = [torch.randint(0, 255, (6, 16), dtype=torch.uint8) for _ in range(2)]
-    payload = np.zeros(layout.payload_len, dtype=np.uint8)
-    CpuCopier(src, layout, rank=0).store([ChunkCopy(payload, [4, 1], [0, 1])])
-    assert payload[:16].tolist() == src[0][4].tolist()
-    assert payload[32 + 16 : 64].tolist() == src[1][1].tolist()
-    dst = [torch.zeros(6, 16, dtype=torch.uint8) for _ in range(2)]
-    CpuCopier(dst, layout, rank=0).load([ChunkCopy(payload, [5], [1])])  # second block only
-    assert torch.equal(dst[0][5], src[0][1]) and torch.equal(dst[1][5], src[1][1])
-    assert not dst[0][:5].any()
 
 
 def test_stats_aggregate_and_reach_prometheus() -> None:
