@@ -6,17 +6,24 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: setup demo serve test lint unit e2e bench clean
+.PHONY: setup system-deps demo serve test lint unit e2e bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[vllm,dev]'
+	$(PIP) install -q -e '.[vllm,dev,shared]'
 	# PyPI's torchvision breaks `import transformers` next to the CPU torch build.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Services the shared-tier tests start (kvtier.services): redis-server, and fuse3 for
+# `weed mount` (fusermount3, and the fusermount name weed calls to unmount). Needs root.
+system-deps:
+	@if command -v redis-server >/dev/null && command -v fusermount >/dev/null; then :; \
+	else export DEBIAN_FRONTEND=noninteractive; apt-get update -q && \
+	     apt-get install -y -q --no-install-recommends redis-server fuse3; fi
 
 demo: setup
 	$(VENV)/bin/kvtier serve --demo-request

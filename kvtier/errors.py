@@ -18,7 +18,10 @@ exceptions. What remains is drawn here::
     │   │   ├── TierTimeout              the backing store did not answer in time
     │   │   └── TierFull                 the backing store itself is out of space (ENOSPC)
     │   └── CorruptChunkError            header or checksum mismatch: never served
-    └── IntegrityError(RuntimeError)     check_integrity() found broken bookkeeping
+    ├── IntegrityError(RuntimeError)     check_integrity() found broken bookkeeping
+    └── ServiceError                     a local service for tests and demos (kvtier.services)
+        ├── ServiceMissing               its binary or FUSE is not available: says how to install
+        └── ServiceStartError            it did not come up in time: binary, ports, last log lines
 """
 
 from __future__ import annotations
@@ -90,3 +93,15 @@ class CorruptChunkError(TierError):
 
 class IntegrityError(KvtierError, RuntimeError):
     """Internal bookkeeping disagrees with itself; raised by check_integrity()."""
+
+
+class ServiceError(KvtierError):
+    """A local service that kvtier.services starts (SeaweedFS, redis-server) failed."""
+
+
+class ServiceMissing(ServiceError):
+    """A service cannot run here: its binary is not installed or FUSE is unavailable."""
+
+
+class ServiceStartError(ServiceError):
+    """A service did not start or answer in time; the message has its command and log tail."""

@@ -12,6 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from service_fixtures import (  # noqa: F401  (fixtures: real services on loopback)
+    make_redis,
+    make_seaweed_mount,
+    make_seaweedfs,
+    redis_server,
+    s3_bucket,
+    seaweed_mount,
+    seaweedfs,
+)
 from store_helpers import SLOT_BYTES, build_store, tier_config
 
 from kvtier.client import KvtierClient
