@@ -7,5 +7,6 @@ from kvtier.tiers.base import LowerTier, Space, StoredChunk
 
 TIERS: Registry[LowerTier] = Registry("tier type")
 TIERS.register("disk", "kvtier.tiers.disk:DiskTier")
+TIERS.register("fs", "kvtier.tiers.fs:FsTier")
 
 __all__ = ["TIERS", "LowerTier", "Space", "StoredChunk"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtier.config import TierConfig
 from kvtier.keys import ChunkKey
@@ -54,6 +54,11 @@ class Space:
 
 class LowerTier(ABC):
     """Chunk storage keyed by :data:`~kvtier.keys.ChunkKey`."""
+
+    shared: ClassVar[bool] = False
+    """Other servers write and delete here too (:class:`~kvtier.tiers.shared.SharedTier`)."""
+    scan_priority: ClassVar[bool] = True
+    """``scan`` reports each chunk's stored priority (shared tiers list names only: 35)."""
 
     def __init__(self, name: str, config: TierConfig) -> None:
         self.name = name

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import re
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from kvtier.config import parse, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.tiers.base import LowerTier, StoredChunk
@@ -66,10 +68,22 @@ class SharingOptions:
 SHARING_KEYS = frozenset(SharingOptions.__dataclass_fields__)
 
 
+def split_options(options: Mapping[str, Any], where: str
+                  ) -> tuple[dict[str, Any], SharingOptions]:
+    """A shared tier's ``options``: (its own keys, the sharing keys parsed)."""
+    own = {k: v for k, v in options.items() if k not in SHARING_KEYS}
+    sharing = {k: v for k, v in options.items() if k in SHARING_KEYS}
+    if "namespace_bytes" in sharing and sharing["namespace_bytes"] is not None:
+        sharing["namespace_bytes"] = parse_size(sharing["namespace_bytes"],
+                                                f"{where}.namespace_bytes")
+    return own, parse(SharingOptions, sharing, where)
+
+
 class SharedTier(LowerTier):
     """A lower tier other servers see too; see the module docstring."""
 
     shared = True
+    scan_priority = False
     sharing: SharingOptions
 
     @abstractmethod

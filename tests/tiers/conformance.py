@@ -102,7 +102,7 @@ class LowerTierConformance:
         tier.write(key, newer)
         got = read_back(tier, key, len(newer))
         assert got is not None and got == newer
-        assert [c.priority for c in tier.scan()] == [90]
+        assert [c.priority for c in tier.scan()] == [90 if tier.scan_priority else 35]
 
     def test_readers_never_see_a_partial_overwrite(self, tier: LowerTier) -> None:
         key = key_of("atomic")
@@ -120,11 +120,14 @@ class LowerTierConformance:
         writer = threading.Thread(target=overwrite)
         writer.start()
         reads = 0
-        while not done.is_set() or reads < 10:
-            got = read_back(tier, key, len(versions[0]))  # verify() raises on a torn chunk
-            assert got is not None and got in versions
-            reads += 1
-        writer.join()
+        try:
+            while not done.is_set() or reads < 10:
+                got = read_back(tier, key, len(versions[0]))  # verify() raises on a torn chunk
+                # A shared volume may show no file for an instant of a rename: a miss, fine.
+                assert got in versions or (got is None and tier.shared)
+                reads += 1
+        finally:
+            writer.join()
 
     def test_delete_is_idempotent(self, tier: LowerTier) -> None:
         key = key_of("delete")
@@ -156,7 +159,10 @@ class LowerTierConformance:
         tier.delete(key_of("scan 0"), namespace=NAMESPACE)
         del expected[key_of("scan 0")]
         found = {c.key: (c.size, c.priority) for c in tier.scan()}
+        if not tier.scan_priority:
+            expected = {k: (size, 35) for k, (size, _p) in expected.items()}
         assert found == expected
+        assert {c.namespace for c in tier.scan()} == {NAMESPACE}
         assert all(c.mtime > 0 for c in tier.scan())
 
     def test_too_small_a_buffer_is_corrupt(self, tier: LowerTier) -> None:
