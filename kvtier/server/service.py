@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -88,7 +87,7 @@ class Service:
     def __init__(self, store: TieredStore, access_log: str | None = None,
                  max_report_series: int = 1000) -> None:
         self.store = store
-        self.instance = secrets.token_hex(8)
+        self.instance = store.instance
         self.max_report_series = max_report_series
         self._series: set[tuple[str, str, str]] = set()
         self._series_lock = threading.Lock()

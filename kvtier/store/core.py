@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -51,8 +52,10 @@ from kvtier.store.leases import LeaseTable
 from kvtier.store.lower import LowerTierState
 from kvtier.store.promotions import Promotions
 from kvtier.store.records import Entry, ItemState, LeaseItem, LeaseRecord, Where
+from kvtier.store.sharing import Sharing
 from kvtier.store.writes import Writes
 from kvtier.tiers.arena import Arena
+from kvtier.tiers.base import StoredChunk
 
 log = logging.getLogger("kvtier.store")
 ARENA = "arena"
@@ -71,8 +74,11 @@ class Hit:
 class TieredStore:
     def __init__(self, config: ServerConfig, *, arena_name: str,
                  metrics: StoreMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 instance: str | None = None) -> None:
         self.config = config
+        self.instance = instance or secrets.token_hex(8)
+        """Random per start: names this server in hellos and on shared tiers."""
         self.metrics = metrics or StoreMetrics()
         self.clock = clock
         self._lock = threading.Lock()
@@ -98,6 +104,11 @@ class TieredStore:
         self._free_target = int(ac.free_target * ac.num_slots) if write_back else 0
         self._housekeeper = Housekeeper(self.tiers, self._locked, self.clock)
         self._closed = False
+        for state in self.tiers:
+            if state.tier.shared:
+                state.sharing = Sharing(state, self.instance, self._locked, self._reading,
+                                        self._swept)
+                state.sharing.start()
         self._set_gauges()
 
     def _tier(self, index: int) -> LowerTierState:
@@ -148,8 +159,14 @@ class TieredStore:
         count = 0
         for state in self.tiers:
             state.learn_space(state.tier.space())
+            started_ms = int(time.time() * 1000)
             found = sorted(state.tier.scan(), key=lambda c: c.mtime, reverse=True)
-            room, kept = state.capacity - state.used, []
+            if state.sharing is not None:  # others' chunks too; budgets are the sweeper's
+                state.sharing.listed(started_ms)
+                room = sum(c.size for c in found)
+            else:
+                room = state.capacity - state.used
+            kept: list[StoredChunk] = []
             for chunk in found:  # the newest fill the tier; if it shrank, the oldest go
                 if chunk.size > room:
                     with self._locked("rebuild"):
@@ -551,6 +568,9 @@ class TieredStore:
         self._housekeeper.run()
         self._set_gauges()
 
+    def _swept(self, tier: str, chunks: int, nbytes: int) -> None:
+        self.metrics.evictions.labels(tier, "sweep").inc(chunks)
+
     def _breaker_changed(self, tier: str, old: BreakerState, new: BreakerState,
                          reason: str) -> None:
         if new is BreakerState.OPEN and old is BreakerState.CLOSED:
@@ -607,6 +627,8 @@ class TieredStore:
             self._closed = True
             self._cond.notify_all()
         for state in self.tiers:
+            if state.sharing is not None:
+                state.sharing.close()
             state.close(wait_s=0)
         self.index.arena.close()
         self.index.arena.unlink()

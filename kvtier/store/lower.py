@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 from kvtier.config import TierConfig
 from kvtier.errors import IntegrityError
@@ -33,6 +34,9 @@ from kvtier.store.breaker import CircuitBreaker, OnChange
 from kvtier.store.estimate import ReadEstimate
 from kvtier.store.iopool import IOPool
 from kvtier.tiers import TIERS, LowerTier, Space
+
+if TYPE_CHECKING:
+    from kvtier.store.sharing import Sharing
 
 log = logging.getLogger("kvtier.store")
 
@@ -63,6 +67,8 @@ class LowerTierState:
         self.breaker = CircuitBreaker(config.breaker, clock, on_breaker_change)
         self.reads = ReadEstimate()
         self.limited_by_filesystem = False
+        self.sharing: Sharing | None = None
+        """For a shared tier: what keeps these books in step with the other servers'."""
 
     def __contains__(self, key: object) -> bool:
         return key in self.sizes
@@ -162,7 +168,8 @@ class LowerTierState:
             raise IntegrityError(f"tier {self.name}: index and eviction policy disagree")
         if self.used != sum(self.sizes.values()):
             raise IntegrityError(f"tier {self.name}: used bytes {self.used} != sum of sizes")
-        if self.used + self.reserved > self.configured or self.reserved < 0:
+        over = self.used + self.reserved > self.configured and self.sharing is None
+        if over or self.reserved < 0:  # a shared tier's books also hold others' writes
             raise IntegrityError(
                 f"tier {self.name}: used {self.used} + reserved {self.reserved} exceeds "
                 f"capacity {self.configured}"

@@ -120,6 +120,8 @@ class Promotions:
                 item.state = ItemState.READY
             nbytes = stored_size(header.payload_len)
             state.reads.observe(elapsed, nbytes, self.clock())
+            if state.sharing is not None:
+                state.sharing.used(entry.key, header.namespace_fp)
             self.metrics.bytes.labels(state.name, "read").inc(nbytes)
             self.metrics.io_seconds.labels(state.name, "read").observe(elapsed)
         else:
@@ -128,7 +130,9 @@ class Promotions:
             if error and not corrupt:
                 self.metrics.io_errors.labels(state.name, "read").inc()
             else:  # missing, or corrupt and quarantined: the tier no longer holds it
-                state.forget(entry.key)
+                namespace = state.forget(entry.key)
+                if namespace is not None and state.sharing is not None:
+                    state.sharing.deleted(entry.key, namespace)
             for item in waiting:
                 item.state = ItemState.FAILED
             self.index.drop(entry)

@@ -163,14 +163,18 @@ class Writes:
 
     def delete_now(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
         """Delete ``key`` from the tier in this (I/O) thread, then clear its mark."""
+        gone = False
         try:
             state.tier.delete(key, namespace=namespace)
+            gone = True
         except TierError as exc:
             log.warning("delete from %s failed: %s", state.name, exc)
             self.metrics.io_errors.labels(state.name, "delete").inc()
         finally:
             with self.cond:
                 state.deleting.discard(key)
+                if gone and state.sharing is not None:
+                    state.sharing.deleted(key, namespace)
                 self.cond.notify_all()
 
     def delete_later(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
@@ -191,6 +195,8 @@ class Writes:
                 self.metrics.io_errors.labels(state.name, "write").inc()
         else:
             state.added(entry.key, written, promised, entry.priority, entry.namespace_fp)
+            if state.sharing is not None:
+                state.sharing.wrote(entry.key, entry.namespace_fp, written)
             self.metrics.bytes.labels(state.name, "write").inc(written)
             self.metrics.io_seconds.labels(state.name, "write").observe(elapsed)
         if entry.demoting and not entry.writing:

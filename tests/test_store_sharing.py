@@ -1,0 +1,224 @@
+"""Two servers, one shared tier: what one writes the other finds, what one deletes the other
+forgets, and together they keep the tier within its budget.
+
+Each "server" is a TieredStore with an arena of its own, both with an ``fs`` tier on one
+folder (the FUSE-volume variants run the same stories on a real shared mount in
+tests/tiers/test_fs.py and the end-to-end tests). Journals are fast here (tens of ms).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import MakeStore
+from store_helpers import (
+    CHUNK_BYTES,
+    NS,
+    expected,
+    keys,
+    load,
+    sample,
+    settle,
+    store_chunks,
+    wait_until,
+)
+
+from kvtier.keys import ChunkKey
+from kvtier.store import TieredStore
+from kvtier.store.records import ItemState
+from kvtier.store.sweeper import heartbeats, sweep, sweeper_of
+from kvtier.tiers.fs import FsTier
+
+FAST = {"journal_interval_s": 0.05, "poll_s": 0.1, "sweep_interval_s": 0.5,
+        "journal_keep_s": 5.0}
+
+
+def server(make_store: MakeStore, root: Path, folder: Path, name: str, *, slots: int = 4,
+           capacity: int = 64 * CHUNK_BYTES, **options: Any) -> TieredStore:
+    tier = {"type": "fs", "name": "shared", "capacity_bytes": capacity, "io_threads": 2,
+            "options": {"path": str(folder), "fsync": False, **FAST, **options}}
+    store = make_store(root / name, slots=slots, tiers=[tier])
+    store.rebuild()
+    return store
+
+
+def evict_arena(store: TieredStore, label: str) -> None:
+    store_chunks(store, keys(store.arena.num_slots, label))
+    settle(store)
+
+
+def listed(folder: Path) -> dict[str, int]:
+    """Chunk files on the shared folder, by key hex, with their sizes."""
+    found = {}
+    for path in (folder / "chunks").rglob("*.kvc"):
+        try:
+            found[path.name.removesuffix(".kvc")] = path.stat().st_size
+        except FileNotFoundError:  # deleted while we looked
+            continue
+    return found
+
+
+def test_a_chunk_one_server_stores_is_found_by_the_other(tmp_path: Path,
+                                                         make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    k = keys(3)
+    store_chunks(a, k)
+    settle(a)
+    start = time.monotonic()
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 3, 5.0)
+    delay = time.monotonic() - start
+    assert delay < 2.0, f"found after {delay:.2f} s"
+    assert load(b, k) == (["shared"] * 3, expected(k))
+    b.check_integrity()
+
+
+def test_a_deleted_chunk_is_forgotten_everywhere(tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a", capacity=4 * CHUNK_BYTES)
+    b = server(make_store, tmp_path, folder, "b", capacity=4 * CHUNK_BYTES)
+    old = keys(4, "old")
+    store_chunks(a, old)
+    settle(a)
+    assert wait_until(lambda: b.lookup(old) == ["shared"] * 4, 5.0)
+    newer = keys(4, "newer")
+    store_chunks(a, newer)  # the tier is full: a evicts the old ones to make room
+    settle(a)
+    assert set(listed(folder)) == {k.hex() for k in newer}
+    assert wait_until(lambda: all(key not in b.tiers[0] for key in old), 5.0)
+    assert b.lookup(old[:1]) == []
+    b.check_integrity()
+
+
+def test_two_writers_keep_the_tier_within_its_capacity(tmp_path: Path,
+                                                      make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    capacity = 16 * CHUNK_BYTES
+    a = server(make_store, tmp_path, folder, "a", capacity=capacity)
+    b = server(make_store, tmp_path, folder, "b", capacity=capacity)
+    for i in range(12):
+        for store, name in ((a, "a"), (b, "b")):
+            store_chunks(store, keys(2, f"{name}{i}-"))
+        settle(a)
+        settle(b)
+        time.sleep(0.05)
+        # Within the budget, plus what the other wrote while its journal caught up.
+        assert sum(listed(folder).values()) <= capacity + 4 * CHUNK_BYTES
+    assert wait_until(lambda: sum(listed(folder).values()) <= capacity, 5.0)
+    newest = keys(2, "b11-")
+    assert wait_until(lambda: a.lookup(newest) == ["shared"] * 2, 5.0)
+    assert load(a, newest).payloads == expected(newest)
+    a.check_integrity()
+    b.check_integrity()
+
+
+def test_the_sweeper_keeps_each_namespace_within_its_budget(tmp_path: Path,
+                                                           make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a", capacity=64 * CHUNK_BYTES,
+               namespace_bytes=6 * CHUNK_BYTES, slots=8)
+    b = server(make_store, tmp_path, folder, "b", capacity=64 * CHUNK_BYTES,
+               namespace_bytes=6 * CHUNK_BYTES, slots=8)
+    written = keys(12)
+    store_chunks(a, written[:6])
+    settle(a)
+    store_chunks(b, written[6:])
+    settle(b)
+    written_bytes = (sample(a, "kvtier_bytes_total", tier="shared", direction="write")
+                     + sample(b, "kvtier_bytes_total", tier="shared", direction="write"))
+    assert written_bytes == 12 * CHUNK_BYTES, "writes do not check namespace budgets"
+    assert wait_until(lambda: sum(listed(folder).values()) <= 6 * CHUNK_BYTES, 10.0)
+    left = set(listed(folder))
+    assert {k.hex() for k in written[6:]} >= left, "the oldest went first"
+    assert wait_until(lambda: all(key not in b.tiers[0] for key in written[:6]), 5.0)
+    swept = sample(a, "kvtier_evictions_total", tier="shared", cause="sweep") + \
+        sample(b, "kvtier_evictions_total", tier="shared", cause="sweep")
+    assert swept >= 6
+
+
+def test_one_server_sweeps(tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    tier = a.tiers[0].tier
+    assert isinstance(tier, FsTier)
+    assert wait_until(lambda: len(heartbeats(tier)) == 2, 10.0)
+    assert sweeper_of(tier, time.time()) == min(a.instance, b.instance)
+
+
+def test_a_corrupt_shared_chunk_is_a_miss_removed_and_counted(tmp_path: Path,
+                                                             make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    k = keys(1)
+    store_chunks(a, k)
+    settle(a)
+    assert wait_until(lambda: b.lookup(k) == ["shared"], 5.0)
+    path = next((folder / "chunks").rglob(f"{k[0].hex()}.kvc"))
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\xff" * 16)
+    record = b.lease(1, k)
+    assert b.wait(record.lease_id, 5.0).items[0].state is ItemState.FAILED
+    b.release(record.lease_id)
+    assert not path.exists(), "removed from the shared volume"
+    assert sample(b, "kvtier_checksum_failures_total", tier="shared") == 1
+    assert wait_until(lambda: k[0] not in a.tiers[0], 5.0), "and forgotten by the others"
+    evict_arena(a, "evictor")
+    assert a.lookup(k) == []
+
+
+def test_a_server_that_fell_behind_lists_the_tier_again(tmp_path: Path,
+                                                        make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    sharing = b.tiers[0].sharing
+    assert sharing is not None
+    k = keys(2)
+    store_chunks(a, k)
+    settle(a)
+    journal_folder = folder / "notes" / "journal"
+    assert wait_until(lambda: journal_folder.exists() and bool(os.listdir(journal_folder)))
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 5.0)
+    b.tiers[0].forget(k[0])  # b misses one record, then its journal is gone
+    b.tiers[0].forget(k[1])
+    for name in os.listdir(journal_folder):  # as if the sweeper deleted them
+        os.unlink(folder / "notes" / "journal" / name)
+    assert b.lookup(k) == []
+    sharing._cursor_ms = 0  # behind by more than journal_keep_s
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 5.0), "found by listing"
+
+
+def test_kvtier_gc_dry_run_lists_what_a_sweep_would_delete(tmp_path: Path,
+                                                           make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a", namespace_bytes=2 * CHUNK_BYTES,
+               sweep_interval_s=3600)
+    store_chunks(a, keys(4))
+    settle(a)
+    tier = a.tiers[0].tier
+    assert isinstance(tier, FsTier)
+    report = sweep(tier, a.tiers[0].configured, dry_run=True)
+    assert len(report.deleted) == 3 and report.usage == {NS: 4 * CHUNK_BYTES}
+    assert len(listed(folder)) == 4, "a dry run deletes nothing"
+    report = sweep(tier, a.tiers[0].configured)
+    assert len(listed(folder)) == 1
+    kept = ChunkKey(bytes.fromhex(next(iter(listed(folder)))))
+    assert kept in keys(4)
+
+
+@pytest.mark.parametrize("ops", [1])
+def test_journal_records_survive_garbage(ops: int) -> None:
+    from kvtier.store import journal
+
+    good = journal.Record("+", NS, keys(1)[0], 8192)
+    assert journal.decode(journal.encode([good])) == [good]
+    assert journal.decode(b"\xc1 not msgpack") == []
+    assert journal.decode(b"\x91\x94\xa1x\xc4\x01a\xc4\x01b\x01") == []  # wrong shapes
