@@ -107,7 +107,7 @@ def test_connections_beyond_the_cap_are_refused(make_server: MakeServer) -> None
     with pytest.raises(ServerUnavailable, match="at most 3 connections"):
         extra.lookup(keys(1))
     held.pop().close()
-    assert wait_until(lambda: sample(server, "kvtier_clients") == 2)
+    assert wait_until(lambda: sample(server, "kvtier_clients") == 2, 15.0)
     assert extra.lookup(keys(1)) == []
     for client in [*held, extra]:
         client.close()
