@@ -22,13 +22,12 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from kvtier import codec
-from kvtier.config import TierConfig, parse
+from kvtier.config import ConfigStruct, TierConfig, parse
 from kvtier.errors import ConfigError, CorruptChunkError, TierFull, TierIOError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.processes import alive
@@ -40,8 +39,7 @@ _CHUNK_NAME = re.compile(r"([0-9a-f]{64})\.kvc")
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
-@dataclass(frozen=True)
-class DiskOptions:
+class DiskOptions(ConfigStruct, frozen=True):
     path: str
     o_direct: Literal["auto", "on", "off"] = "auto"
     fsync: bool = True
