@@ -65,7 +65,7 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_server(args: argparse.Namespace) -> int:
-    import dataclasses
+    import msgspec
 
     from kvtier import logs
     from kvtier.config import ServerConfig
@@ -73,7 +73,7 @@ def _run_server(args: argparse.Namespace) -> int:
 
     config = ServerConfig.from_yaml(args.config)
     if args.socket:
-        config = dataclasses.replace(config, socket_path=args.socket)
+        config = msgspec.structs.replace(config, socket_path=args.socket)
     logs.setup(config.log_level, config.log_format)
     server = NodeServer(config)
     stop = threading.Event()

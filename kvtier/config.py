@@ -1,48 +1,60 @@
-"""Configuration: parsed once, from YAML or a dict, into frozen dataclasses.
+"""Configuration: parsed once, from YAML or a dict, into frozen msgspec structs.
 
-Every field is checked at the edge. Unknown keys and bad values raise :class:`ConfigError`
-naming the key (as a dotted path) and what is allowed; nothing downstream reads raw dicts.
+:func:`parse` builds a :class:`ConfigStruct` with ``msgspec.convert``, strict about types
+(``"9100"`` is no integer, ``1`` is not ``true``); ``__post_init__`` checks values and turns
+kvtier's own formats (sizes such as ``"4GiB"``, admission rules) into typed ones. Its
+``ConfigError`` starts with a key relative to its struct (``"slot_bytes must be ..."``) and
+``parse`` puts the struct's path in front, so every error names the dotted key and what is
+allowed: ``tiers[0].options.pathh: unknown key; allowed: dir_fsync, fsync, o_direct, path``.
+A tier parses its ``options`` alike::
+
+    class S3Options(ConfigStruct, frozen=True):
+        bucket: str
+
+    self.options = parse(S3Options, config.options, f"{name}.options")
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import types
-import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
+import msgspec
 import yaml
 
 from kvtier.errors import ConfigError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    Size = int
+    AdmissionRules = tuple[tuple[str, int], ...]
+else:  # decoded as given; __post_init__ turns them into the types above
+    Size = AdmissionRules = Any
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
+C = TypeVar("C", bound="ConfigStruct")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigStruct(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of every config type: frozen, and unknown keys are errors. Subclasses repeat
+    ``frozen=True`` for mypy; ``msgspec.structs.replace`` runs ``__post_init__`` again."""
 
 
 def parse_size(value: object, where: str = "size") -> int:
     """Bytes from an int or a string such as ``"4GiB"``, ``"512MiB"``, ``"1.5GB"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a size such as 4GiB or 1048576, got {value!r}")
-    if isinstance(value, float):
-        raise ConfigError(f"{where}: a byte count must be a whole number or a string such "
-                          f"as 4GiB, got {value!r}")
+    if isinstance(value, bool | float):
+        raise ConfigError(f"{where}: expected a size such as 4GiB or a byte count, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{where}: a size cannot be negative, got {value}")
         return value
-    match = _SIZE.match(str(value))
+    match = _SIZE.match(value) if isinstance(value, str) else None
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ConfigError(
@@ -54,71 +66,66 @@ def parse_size(value: object, where: str = "size") -> int:
     return int(number * _UNITS[unit])
 
 
-def _size(default: int | None = None, **kw: Any) -> Any:
-    if default is None:
-        return field(metadata={"parse": parse_size}, **kw)
-    return field(default=default, metadata={"parse": parse_size}, **kw)
-
-
-def _optional_size(value: object, where: str) -> int | None:
-    return None if value is None else parse_size(value, where)
-
-
-def _admission(value: object, where: str) -> tuple[tuple[str, int], ...]:
-    """``{after_uses: 2, min_priority: 50}`` (every rule must pass) or ``always``."""
+def _admission(value: object, where: str = "admission") -> tuple[tuple[str, int], ...]:
+    """``{after_uses: 2, min_priority: 50}`` (every rule must pass), ``always``, or parsed pairs."""
     from kvtier.policies import ADMISSION
 
-    if value in (None, "always", {}):
+    if value in (None, "always", {}, ()):
         return ()
-    if not isinstance(value, Mapping):
+    rules = dict(value) if isinstance(value, tuple) else value
+    if not isinstance(rules, Mapping):
         raise ConfigError(f"{where}: expected a mapping of rule: value; rules: {list(ADMISSION)}")
-    rules: list[tuple[str, int]] = []
-    for name, param in value.items():
+    parsed: list[tuple[str, int]] = []
+    for name, param in rules.items():
         if name not in ADMISSION:
             raise ConfigError(f"{where}.{name}: unknown admission rule; allowed: {list(ADMISSION)}")
         if isinstance(param, bool) or not isinstance(param, int) or param < 0:
             raise ConfigError(f"{where}.{name}: expected a non-negative integer, got {param!r}")
         if name != "always":
-            rules.append((str(name), param))
-    return tuple(rules)
+            parsed.append((str(name), param))
+    return tuple(parsed)
 
 
-def _eviction(value: object, where: str) -> str:
+def _check_eviction(name: str) -> None:
     from kvtier.policies import EVICTION
 
-    if not isinstance(value, str) or value not in EVICTION:
-        raise ConfigError(f"{where}: unknown eviction policy {value!r}; allowed: {list(EVICTION)}")
-    return str(value)
+    if name not in EVICTION:
+        raise ConfigError(f"eviction: unknown eviction policy {name!r}; allowed: {list(EVICTION)}")
 
 
-@dataclass(frozen=True)
-class ArenaConfig:
+def _sizes(config: ConfigStruct, *names: str) -> None:
+    for name in names:
+        msgspec.structs.force_setattr(config, name, parse_size(getattr(config, name), name))
+
+
+class ArenaConfig(ConfigStruct, frozen=True):
     """The host-RAM tier: one shared-memory region of fixed-size slots."""
 
-    size_bytes: int = _size(1 << 30)
-    slot_bytes: int = _size(4096 + (1 << 20))
+    size_bytes: Size = 1 << 30
+    slot_bytes: Size = 4096 + (1 << 20)
     name: str | None = None
-    eviction: str = field(default="lru", metadata={"parse": _eviction})
+    eviction: str = "lru"
     prefault: bool = True
     free_target: float = 0.05
 
     def __post_init__(self) -> None:
+        _sizes(self, "size_bytes", "slot_bytes")
+        _check_eviction(self.eviction)
         if self.slot_bytes < 8192 or self.slot_bytes % 4096:
-            raise ConfigError("arena.slot_bytes must be a multiple of 4096 and at least 8192")
+            raise ConfigError("slot_bytes must be a multiple of 4096 and at least 8192")
         if self.size_bytes < self.slot_bytes:
-            raise ConfigError("arena.size_bytes must hold at least one slot")
+            raise ConfigError("size_bytes must hold at least one slot")
         if not 0.0 <= self.free_target < 1.0:
-            raise ConfigError("arena.free_target must be in [0, 1)")
+            raise ConfigError("free_target must be in [0, 1)")
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.name):
-            raise ConfigError("arena.name may use letters, digits, '_', '.', '-' (1-200 chars)")
+            raise ConfigError("name may use letters, digits, '_', '.', '-' (1-200 chars)")
 
     @property
     def num_slots(self) -> int:
         return self.size_bytes // self.slot_bytes
 
 
-@dataclass(frozen=True)
-class BreakerConfig:
+class BreakerConfig(ConfigStruct, frozen=True):
     """When a lower tier is bypassed (see :mod:`kvtier.store.breaker`)."""
 
     enabled: bool = True
@@ -134,49 +141,52 @@ class BreakerConfig:
 
     def __post_init__(self) -> None:
         if self.errors < 1:
-            raise ConfigError("breaker.errors must be at least 1")
+            raise ConfigError("errors must be at least 1")
         if not 0.0 <= self.error_ratio <= 1.0:
-            raise ConfigError("breaker.error_ratio must be in [0, 1]")
+            raise ConfigError("error_ratio must be in [0, 1]")
         for name in ("window_s", "latency_budget_s", "cooldown_s"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"breaker.{name} must be positive")
+                raise ConfigError(f"{name} must be positive")
 
 
-@dataclass(frozen=True)
-class TierConfig:
+class TierConfig(ConfigStruct, frozen=True):
     """A tier below the arena. ``options`` are checked by the tier class itself."""
 
     type: str
-    capacity_bytes: int = _size()
+    capacity_bytes: Size
     name: str = ""
-    eviction: str = field(default="lru", metadata={"parse": _eviction})
-    admission: tuple[tuple[str, int], ...] = field(default=(), metadata={"parse": _admission})
+    eviction: str = "lru"
+    admission: AdmissionRules = ()
     write_policy: Literal["through", "back"] = "through"
     io_threads: int = 2
     io_timeout_s: float = 30.0
     """A chunk read, write or delete not finished by then is given up (its waiters fail,
     the breaker counts it); the thread it hangs in is replaced."""
-    keep_free_bytes: int | None = field(default=None, metadata={"parse": _optional_size})
+    keep_free_bytes: Size | None = None
     """Free space left to others on the backing filesystem (default: 1% of it, at least
     one chunk). The tier never promises more than the filesystem holds."""
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    options: Mapping[str, Any] = field(default_factory=dict)
+    breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
+    options: Mapping[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _sizes(self, "capacity_bytes")
+        if self.keep_free_bytes is not None:
+            _sizes(self, "keep_free_bytes")
+        _check_eviction(self.eviction)
+        msgspec.structs.force_setattr(self, "admission", _admission(self.admission))
         if not 1 <= self.io_threads <= 64:
             raise ConfigError("io_threads must be in [1, 64]")
         if self.io_timeout_s <= 0:
             raise ConfigError("io_timeout_s must be positive")
         if not self.name:
-            object.__setattr__(self, "name", self.type)
+            msgspec.structs.force_setattr(self, "name", self.type)
         if self.name == "arena" or not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
             raise ConfigError("name must be lowercase [a-z0-9_-] (max 32) and not 'arena'")
 
 
-@dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(ConfigStruct, frozen=True):
     socket_path: str = ""
-    arena: ArenaConfig = field(default_factory=ArenaConfig)
+    arena: ArenaConfig = msgspec.field(default_factory=ArenaConfig)
     tiers: tuple[TierConfig, ...] = ()
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -184,7 +194,7 @@ class ServerConfig:
     orphan_grace_s: float = 10.0
     """A client that disconnects keeps its leases and reservations this long: another
     process it gave the slot numbers to (an engine worker) may still be copying."""
-    max_message_bytes: int = _size(16 << 20)
+    max_message_bytes: Size = 16 << 20
     max_clients: int = 256
     """Connections beyond this are refused at once (each holds a server thread)."""
     frame_timeout_s: float = 5.0
@@ -197,8 +207,9 @@ class ServerConfig:
     log_format: Literal["json", "text"] = "json"
 
     def __post_init__(self) -> None:
+        _sizes(self, "max_message_bytes")
         if not self.socket_path:
-            object.__setattr__(self, "socket_path", default_socket_path())
+            msgspec.structs.force_setattr(self, "socket_path", default_socket_path())
         if self.lease_ttl_s <= 0:
             raise ConfigError("lease_ttl_s must be positive")
         if self.orphan_grace_s < 0:
@@ -214,7 +225,7 @@ class ServerConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:
-        return parse(cls, data, "")
+        return parse(cls, data)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> ServerConfig:
@@ -236,83 +247,70 @@ def default_socket_path() -> str:
     return os.path.join(runtime_dir(), "kvtier.sock")
 
 
-def parse(cls: type[T], data: object, where: str) -> T:
-    """Build dataclass ``cls`` from ``data``, checking every key and value."""
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    assert dataclasses.is_dataclass(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(map(str, data)) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"{_join(where, unknown[0])}: unknown key; allowed: {', '.join(sorted(fields))}"
-        )
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        f = fields[name]
-        key = _join(where, name)
-        custom: Callable[[object, str], Any] | None = f.metadata.get("parse")
-        kwargs[name] = custom(value, key) if custom else _coerce(hints[name], value, key)
+def parse(cls: type[C], data: object, where: str = "") -> C:
+    """Build config type ``cls`` from ``data``; ``where`` (``"tiers[0].options"``), the path
+    of ``data`` in the user's configuration, starts every error's key."""
     try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"{where or 'config'}: {exc}") from exc
-    except ConfigError as exc:
-        if where and not str(exc).startswith(where):
-            raise ConfigError(f"{where}.{exc}") from exc
-        raise
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, cls, data, where)) from exc
 
 
-def _join(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
+# msgspec's messages end in " - at `$.tiers[0].options`" (or "`key` in `$...`" for a key)
+_AT = re.compile(r"(?P<detail>.*?)(?: - at (?P<in_key>`key` in )?`\$(?P<path>[^`]*)`)?", re.S)
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "object": "a mapping", "array": "a list", "null": "null"}
 
 
-def _coerce(hint: Any, value: object, key: str) -> Any:
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: got {value!r}; allowed: {', '.join(map(str, args))}")
-        return value
-    if origin is tuple and args and _is_dataclass_type(args[0]):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list")
-        return tuple(parse(args[0], item, f"{key}[{i}]") for i, item in enumerate(value))
-    if _is_dataclass_type(hint):
-        return parse(hint, value, key)
-    if origin is not None and issubclass(origin, Mapping):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping")
-        return dict(value)
-    return _scalar(hint, value, key)
+def _explain(exc: msgspec.ValidationError, cls: type, data: object, where: str) -> str:
+    """kvtier's wording of a msgspec error: the dotted key, then what is wrong or allowed."""
+    at = _AT.fullmatch(str(exc))
+    assert at is not None  # every string matches: the location is optional
+    path = at["path"] or ""
+    key = f"{where}{path}".removeprefix(".")
+    detail, here = at["detail"], key or "config"
+    if isinstance(exc.__cause__, ConfigError):  # raised by a __post_init__
+        return _join(key, str(exc.__cause__))
+    if at["in_key"]:
+        return f"{here}: keys must be strings"
+    if unknown := re.fullmatch(r"Object contains unknown field `(.*)`", detail):
+        fields = sorted(f.name for f in msgspec.structs.fields(_type_at(cls, path)))
+        return f"{_join(key, unknown[1])}: unknown key; allowed: {', '.join(fields)}"
+    if missing := re.fullmatch(r"Object missing required field `(.*)`", detail):
+        return f"{here}: missing required key {missing[1]}"
+    if expected := re.fullmatch(r"Expected `(.*?)`, got `.*`", detail):
+        wanted = " or ".join(_WORDS.get(name, name) for name in expected[1].split(" | "))
+        return f"{here}: expected {wanted}, got {_value_at(data, path)!r}"
+    if detail.startswith("Invalid enum value"):
+        allowed = ", ".join(map(str, get_args(_type_at(cls, path))))
+        return f"{here}: got {_value_at(data, path)!r}; allowed: {allowed}"
+    return f"{here}: {detail}"
 
 
-def _is_dataclass_type(hint: Any) -> bool:
-    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+def _join(key: str, rest: str) -> str:
+    return f"{key}.{rest}" if key else rest
 
 
-def _scalar(hint: Any, value: object, key: str) -> Any:
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported value {value!r}")
+def _type_at(cls: type, path: str) -> Any:
+    """The declared type at ``path`` (``.tiers[0].write_policy``) inside config type ``cls``."""
+    hint: Any = cls
+    for name, _index in _STEP.findall(path):
+        hint = _not_none(hint)
+        if name:
+            hint = {f.name: f.type for f in msgspec.structs.fields(hint)}[name]
+        else:
+            hint = get_args(hint)[0]  # tuple[X, ...]
+    return _not_none(hint)
+
+
+def _not_none(hint: Any) -> Any:  # X | None -> X
+    if isinstance(hint, types.UnionType):
+        return next(arg for arg in get_args(hint) if arg is not type(None))
+    return hint
+
+
+def _value_at(data: Any, path: str) -> Any:
+    for name, index in _STEP.findall(path):
+        data = data[name] if name else data[int(index)]
+    return data

@@ -1,11 +1,11 @@
-"""Configuration is parsed once into frozen dataclasses; errors name the dotted key."""
+"""Configuration is parsed once into frozen structs; errors name the dotted key."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvtier.config import ArenaConfig, ServerConfig, TierConfig, parse_size
@@ -87,8 +87,10 @@ def test_unknown_keys_are_rejected_at_every_level(
         ({"tiers": [disk(options=[1])]}, r"tiers\[0\].options: expected a mapping"),
         ({"tiers": [{"type": "disk"}]}, r"tiers\[0\]: .*capacity_bytes"),
         ({"arena": {"eviction": "mru"}}, "arena.eviction: unknown eviction policy 'mru'"),
-        ({"arena": {"eviction": ["lru"]}}, "arena.eviction: unknown eviction policy"),
+        ({"arena": {"eviction": ["lru"]}}, "arena.eviction: expected a string"),
         ({"arena": {"slot_bytes": 1000}}, "arena.slot_bytes must be a multiple of 4096"),
+        ({"tiers": [disk(breaker={"errors": 0})]}, r"tiers\[0\]\.breaker\.errors must be"),
+        ({"arena": {1: 2}}, "arena: keys must be strings"),
         ({"lease_ttl_s": 0}, "lease_ttl_s must be positive"),
         ({"metrics_port": 70000}, "metrics_port must be in"),
     ],
@@ -116,7 +118,7 @@ def test_log_level_is_one_of_four_names() -> None:
         config(log_level="verbose")
 
 
-def test_defaults_and_nested_dataclasses() -> None:
+def test_defaults_and_nested_structs() -> None:
     cfg = config(tiers=[disk(eviction="s3fifo", options={"path": "/tmp/x"})])
     assert isinstance(cfg.arena, ArenaConfig) and cfg.arena.eviction == "lru"
     assert isinstance(cfg.tiers, tuple) and isinstance(cfg.tiers[0], TierConfig)
@@ -187,9 +189,27 @@ def test_unreadable_or_bad_files_raise_config_error(
 
 def test_config_is_frozen() -> None:
     cfg = config(tiers=[disk()])
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         cfg.lease_ttl_s = 1.0  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         cfg.arena.size_bytes = 1  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         cfg.tiers[0].write_policy = "back"  # type: ignore[misc]
+
+
+def test_parsed_values_are_plain_ints_and_tuples_msgspec_can_encode() -> None:
+    cfg = config(max_message_bytes="1MiB",
+                 tiers=[disk(keep_free_bytes="1MiB", admission={"after_uses": 2})])
+    tier = cfg.tiers[0]
+    assert type(tier.capacity_bytes) is int and type(tier.keep_free_bytes) is int
+    assert type(cfg.max_message_bytes) is int and type(tier.admission) is tuple
+    assert msgspec.json.decode(msgspec.json.encode(cfg))["tiers"][0]["capacity_bytes"] == 10 * GiB
+
+
+def test_direct_construction_and_replace_run_the_same_checks() -> None:
+    tier = TierConfig(type="disk", capacity_bytes="2GiB", admission=(("after_uses", 2),))
+    assert (tier.capacity_bytes, tier.admission) == (2 * GiB, (("after_uses", 2),))
+    cfg = config(tiers=[disk()])
+    assert msgspec.structs.replace(cfg, lease_ttl_s=5).lease_ttl_s == 5
+    with pytest.raises(ConfigError, match=r"^tiers: names must be unique"):
+        msgspec.structs.replace(cfg, tiers=cfg.tiers * 2)

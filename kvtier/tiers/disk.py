@@ -19,11 +19,10 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier import codec
-from kvtier.config import TierConfig, parse
+from kvtier.config import ConfigStruct, TierConfig, parse
 from kvtier.errors import ConfigError, CorruptChunkError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.processes import alive
@@ -34,8 +33,7 @@ _SHARD = re.compile(r"[0-9a-f]{2}")
 _CHUNK_NAME = re.compile(r"([0-9a-f]{64})\.kvc")
 
 
-@dataclass(frozen=True)
-class DiskOptions:
+class DiskOptions(ConfigStruct, frozen=True):
     path: str
     o_direct: Literal["auto", "on", "off"] = "auto"
     fsync: bool = True

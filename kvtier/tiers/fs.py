@@ -19,11 +19,10 @@ import contextlib
 import os
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier import codec
-from kvtier.config import TierConfig, parse
+from kvtier.config import ConfigStruct, TierConfig, parse
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Space, StoredChunk
@@ -38,8 +37,7 @@ from kvtier.tiers.shared import (
 )
 
 
-@dataclass(frozen=True)
-class FsOptions:
+class FsOptions(ConfigStruct, frozen=True):
     path: str
     o_direct: Literal["auto", "on", "off"] = "auto"
     fsync: bool = True

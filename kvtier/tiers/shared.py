@@ -22,25 +22,30 @@ from __future__ import annotations
 import re
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.config import parse, parse_size
+import msgspec
+
+from kvtier.config import ConfigStruct, parse, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.tiers.base import LowerTier, StoredChunk
+
+if TYPE_CHECKING:
+    Size = int
+else:
+    Size = Any
 
 NOTE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
 CHUNK_FILE = re.compile(r"([0-9a-f]{64})\.kvc")
 
 
-@dataclass(frozen=True)
-class SharingOptions:
+class SharingOptions(ConfigStruct, frozen=True):
     """How the servers sharing one tier keep their views of it in step (every shared tier's
     ``options`` accept these keys besides its own)."""
 
-    namespace_bytes: int | None = None
+    namespace_bytes: Size | None = None
     """Byte budget of each namespace (default: the tier's ``capacity_bytes``)."""
     journal_interval_s: float = 0.2
     """A server's own puts, deletes and touches are published at most this late."""
@@ -57,6 +62,9 @@ class SharingOptions:
     """Temporary objects of writes older than this were left by killed writers."""
 
     def __post_init__(self) -> None:
+        if self.namespace_bytes is not None:
+            msgspec.structs.force_setattr(self, "namespace_bytes",
+                                          parse_size(self.namespace_bytes, "namespace_bytes"))
         for name in ("journal_interval_s", "poll_s", "touch_interval_s", "sweep_interval_s",
                      "journal_keep_s", "stale_temp_s"):
             if getattr(self, name) <= 0:
@@ -65,7 +73,7 @@ class SharingOptions:
             raise ConfigError("journal_keep_s must be at least 10 x poll_s")
 
 
-SHARING_KEYS = frozenset(SharingOptions.__dataclass_fields__)
+SHARING_KEYS = frozenset(SharingOptions.__struct_fields__)
 
 
 def split_options(options: Mapping[str, Any], where: str
@@ -73,9 +81,6 @@ def split_options(options: Mapping[str, Any], where: str
     """A shared tier's ``options``: (its own keys, the sharing keys parsed)."""
     own = {k: v for k, v in options.items() if k not in SHARING_KEYS}
     sharing = {k: v for k, v in options.items() if k in SHARING_KEYS}
-    if "namespace_bytes" in sharing and sharing["namespace_bytes"] is not None:
-        sharing["namespace_bytes"] = parse_size(sharing["namespace_bytes"],
-                                                f"{where}.namespace_bytes")
     return own, parse(SharingOptions, sharing, where)
 
 

@@ -64,7 +64,7 @@ HOST = "host"
 UNBOUNDED_POLICY_CAPACITY = 1 << 40
 """What an ``inf`` tier tells its policy: ghost lists sized from it never fill."""
 WritePolicy = Literal["through", "back"]
-DEFAULT_FREE_TARGET = ArenaConfig.free_target
+DEFAULT_FREE_TARGET = ArenaConfig().free_target
 
 
 @dataclass(frozen=True)

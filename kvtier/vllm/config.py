@@ -24,19 +24,19 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvtier.codec import HEADER_SIZE, align_up
-from kvtier.config import ServerConfig, parse
+from kvtier.config import ConfigStruct, ServerConfig, parse
 from kvtier.errors import ConfigError
 
 _PLACEHOLDER_SLOT = HEADER_SIZE + 4096
 log = logging.getLogger("kvtier.vllm")
 
 
-@dataclass(frozen=True)
-class FaultConfig:
+class FaultConfig(ConfigStruct, frozen=True):
     """Test hooks; never set these in production."""
 
     hold_loads_s: float = 0.0
@@ -44,11 +44,10 @@ class FaultConfig:
 
     def __post_init__(self) -> None:
         if self.hold_loads_s < 0:
-            raise ConfigError("faults.hold_loads_s must be >= 0")
+            raise ConfigError("hold_loads_s must be >= 0")
 
 
-@dataclass(frozen=True)
-class ConnectorConfig:
+class ConnectorConfig(ConfigStruct, frozen=True):
     server_socket: str = ""
     server: Mapping[str, Any] | None = None
     chunk_tokens: int = 256
@@ -68,13 +67,12 @@ class ConnectorConfig:
     """This engine's prefill speed for that decision; 0 measures it from its own steps."""
     model_id: str | None = None
     """Overrides the model identity in chunk keys (e.g. the same checkpoint at two paths)."""
-    faults: FaultConfig = field(default_factory=FaultConfig)
+    faults: FaultConfig = msgspec.field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         if bool(self.server_socket) == (self.server is not None):
-            raise ConfigError(
-                "kv_connector_extra_config: give exactly one of server_socket (connect to a "
-                "running kvtier server) or server (start one embedded)")
+            raise ConfigError("server: give exactly one of server_socket (connect to a running "
+                              "kvtier server) or server (start one embedded)")
         if self.chunk_tokens <= 0:
             raise ConfigError("chunk_tokens must be a positive integer")
         if not 0 <= self.priority <= 100:
@@ -103,17 +101,16 @@ class ConnectorConfig:
         if self.server is None:
             raise ConfigError("no embedded server configured (server_socket is used)")
         data: dict[str, Any] = copy.deepcopy(dict(self.server))
-        arena = dict(data.get("arena") or {})
-        arena.setdefault("slot_bytes", HEADER_SIZE + align_up(payload_len))
-        data["arena"] = arena
+        arena = data.get("arena") or {}
+        if isinstance(arena, Mapping):  # anything else: ServerConfig names the key
+            data["arena"] = {"slot_bytes": HEADER_SIZE + align_up(payload_len), **arena}
         try:
             return ServerConfig.from_dict(data)
         except ConfigError as exc:
-            raise ConfigError(f"kv_connector_extra_config.server.{exc}") from exc
+            raise ConfigError(f"server.{exc}") from exc
 
 
-@dataclass(frozen=True)
-class RequestOptions:
+class RequestOptions(ConfigStruct, frozen=True):
     """Per-request knobs from ``kv_transfer_params = {"kvtier": {...}}``."""
 
     priority: int | None = None
@@ -122,7 +119,7 @@ class RequestOptions:
 
     def __post_init__(self) -> None:
         if self.priority is not None and not 0 <= self.priority <= 100:
-            raise ConfigError(f"kvtier.priority must be in [0, 100], got {self.priority}")
+            raise ConfigError(f"priority must be in [0, 100], got {self.priority}")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> RequestOptions:
