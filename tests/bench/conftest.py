@@ -1,0 +1,8 @@
+"""Benchmark-client tests import their helpers (the stub server) from this folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
