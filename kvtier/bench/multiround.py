@@ -63,9 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_arguments(p: argparse.ArgumentParser, endpoint: bool = True) -> None:
+def add_arguments(p: argparse.ArgumentParser, endpoint: bool = True, axes: bool = True) -> None:
     """The workload and load flags (shared with ``bench sweep``); ``endpoint``: also the
-    flags naming the endpoint."""
+    flags naming the endpoint; ``axes``: also users and history length (a sweep's axes)."""
     d = WorkloadConfig()
     if endpoint:
         p.add_argument("--url", default="http://127.0.0.1:8000",
@@ -81,10 +81,12 @@ def add_arguments(p: argparse.ArgumentParser, endpoint: bool = True) -> None:
                        "URL/metrics; 'none' to skip)")
         p.add_argument("--label", default="", help="name of this run in the results")
     g = p.add_argument_group("workload (lengths in tokens)")
-    g.add_argument("--num-users", type=int, default=d.num_users)
+    if axes:
+        g.add_argument("--num-users", type=int, default=d.num_users)
     g.add_argument("--num-rounds", type=int, default=d.num_rounds)
     g.add_argument("--shared-system-prompt", type=int, default=d.system_prompt_tokens)
-    g.add_argument("--user-history-prompt", type=int, default=d.user_history_tokens)
+    if axes:
+        g.add_argument("--user-history-prompt", type=int, default=d.user_history_tokens)
     g.add_argument("--question-len", type=int, default=d.question_tokens)
     g.add_argument("--answer-len", type=int, default=d.answer_tokens)
     g.add_argument("--long-fraction", type=float, default=d.long_fraction,

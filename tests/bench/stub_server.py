@@ -159,8 +159,8 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, state: StubState) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+    def __init__(self, state: StubState, port: int = 0) -> None:
+        super().__init__(("127.0.0.1", port), _Handler)
         self.state = state
 
 
@@ -177,3 +177,23 @@ def stub_server(state: StubState | None = None) -> Iterator[tuple[str, StubState
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def main() -> None:
+    """``python stub_server.py --port P``: serve until SIGTERM (for sweep tests)."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--accounting", default="cached")
+    args = parser.parse_args()
+    server = _Server(StubState(accounting=args.accounting, ttft_s=0.005, token_s=0.001),
+                     port=args.port)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    server.serve_forever()
+    server.server_close()
+
+
+if __name__ == "__main__":
+    main()
