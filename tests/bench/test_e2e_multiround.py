@@ -8,6 +8,7 @@ the tiers from vLLM's counters; whole responses carry kvtier's per-tier accounti
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import socket
 import subprocess
@@ -23,7 +24,9 @@ from kvtier.bench.multiround import Options, execute
 from kvtier.bench.runner import LoadConfig
 from kvtier.bench.workload import WorkloadConfig
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is not installed (pip install 'kvtier[vllm]')")]
 ANSWER = 8
 
 
@@ -87,7 +90,10 @@ def test_streamed_rounds_have_sane_figures_and_hit_in_round_two(served: str) -> 
         assert r["kv_tokens"]["cached"] >= 2048  # its history came from a cache
     s = doc["summary"]
     assert s["requests_per_s"] > 0 and s["output_tok_s"] > 0
-    assert s["ttft_s"]["p50"] <= s["ttft_s"]["p99"] and s["itl_s"]["count"] == 4 * (ANSWER - 1)
+    assert s["ttft_s"]["p50"] <= s["ttft_s"]["p99"]
+    # one gap per content chunk; the detokenizer may hold back a partial character, so a
+    # chunk can carry two tokens of the demo model's random bytes
+    assert 4 * (ANSWER - 1) // 2 <= s["itl_s"]["count"] <= 4 * (ANSWER - 1)
     endpoint = s["endpoint"]
     assert endpoint["prompt_tokens"] == sum(r["prompt_tokens"] for r in reqs)
     assert endpoint["cached_tokens_by_source"].get("host", 0) > 0  # kvtier's arena
