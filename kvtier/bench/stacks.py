@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -172,11 +173,11 @@ def _wait(spec: ProcSpec, proc: Proc, timeout_s: float) -> None:
     while not spec.ready():
         rc = proc.popen.poll()
         if rc is not None:
-            raise StackError(f"{spec.name} exited with status {rc} before it was ready:\n"
-                             f"{_tail(proc.log)}")
+            raise StackError(f"{spec.name} exited with status {rc} before it was ready: "
+                             f"{_cause(proc.log)}\n{_tail(proc.log)}")
         if time.monotonic() > deadline:
-            raise StackError(f"{spec.name} was not ready after {timeout_s:.0f} s:\n"
-                             f"{_tail(proc.log)}")
+            raise StackError(f"{spec.name} was not ready after {timeout_s:.0f} s: "
+                             f"{_cause(proc.log)}\n{_tail(proc.log)}")
         time.sleep(0.5)
 
 
@@ -194,6 +195,18 @@ def _stop(popen: subprocess.Popen[bytes], timeout_s: float) -> None:
     # children of a leader that exited first (e.g. vLLM's EngineCore) go with the group
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, signal.SIGKILL)
+
+
+_CAUSE = re.compile(r"\b(?:[A-Z][A-Za-z]*Error|Exception)\b: .*")
+
+
+def _cause(path: Path) -> str:
+    """The log's first error line (the root cause, before the tracebacks it sets off)."""
+    for line in _tail(path, 200_000).splitlines():
+        match = _CAUSE.search(line)
+        if match and "ulimit" not in line:
+            return match.group()[:300]
+    return "(no error line in its log)"
 
 
 def _tail(path: Path, chars: int = 2000) -> str:
@@ -244,6 +257,13 @@ def _start_arena_disk(env: StackEnv) -> Stack:
     return launch(env, [engine("kvtier-serve", _kvtier(env, port, disk=True), port)], port)
 
 
+def _start_noop(env: StackEnv) -> Stack:
+    port = free_port()
+    transfer = {"kv_connector": "NoopConnector", "kv_connector_module_path": "kvtier.vllm.noop",
+                "kv_role": "kv_both"}
+    return launch(env, [engine("vllm-noop", _vllm(env, port, transfer=transfer), port)], port)
+
+
 def _start_example(env: StackEnv) -> Stack:
     port = free_port()
     transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -271,6 +291,9 @@ def _start_lmcache(env: StackEnv) -> Stack:
 
 
 register_stack("device", "plain vLLM, prefix caching on (the device cache only)", _start_device)
+register_stack("device+noop", "plain vLLM with a connector that does nothing "
+               "(kvtier.vllm.noop): what configuring any connector changes in vLLM",
+               _start_noop)
 register_stack("arena", "kvtier serve: device + host-RAM arena", _start_arena)
 register_stack("arena+disk", "kvtier serve: device + arena + disk tier", _start_arena_disk)
 register_stack("example", "vLLM's ExampleConnector (KV files in a folder)", _start_example)

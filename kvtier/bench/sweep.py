@@ -94,9 +94,15 @@ def engine_args(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--device-blocks {args.device_blocks} x {_block_size()} tokens is "
                           f"less than --max-model-len {args.max_model_len}: vLLM refuses to "
                           "start; raise one or lower the other")
-    return ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-            "--num-gpu-blocks-override", str(args.device_blocks), "--enforce-eager",
-            "--enable-prompt-tokens-details", "--seed", "0", *args.vllm_arg]
+    out = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+           "--num-gpu-blocks-override", str(args.device_blocks), "--enforce-eager",
+           "--enable-prompt-tokens-details", "--seed", "0"]
+    memory = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
+    if _block_size() == 128 and not any(a.split("=")[0] in memory for a in args.vllm_arg):
+        # the CPU build reserves --gpu-memory-utilization of *host* RAM unless told a size;
+        # the device cache itself is the --num-gpu-blocks-override above
+        out += ["--kv-cache-memory-bytes", str(1 << 30)]
+    return out + list(args.vllm_arg)
 
 
 def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:

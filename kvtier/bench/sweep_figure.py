@@ -58,7 +58,7 @@ def table_text(configs: Mapping[str, Mapping[str, Any]]) -> str:
         for p in sorted(c.get("points", []), key=lambda p: (p["history_tokens"], p["users"])):
             if p.get("error"):
                 rows.append([name, str(p["users"]), str(p["history_tokens"]), "failed",
-                             "-", "-", str(p["error"]).splitlines()[0][:60]])
+                             "-", "-", str(p["error"]).splitlines()[0][:100]])
                 continue
             hit = p.get("hit_ratio")
             ttft = p.get("p99_ttft_s")

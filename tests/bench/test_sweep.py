@@ -156,3 +156,26 @@ def test_stopping_a_stack_ends_its_processes(tmp_path: Path) -> None:
         import os
 
         os.kill(pid, 0)
+
+
+def test_a_device_cache_smaller_than_one_sequence_is_refused(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    assert sweep(tmp_path, "--configs", "stub-a", "--device-blocks", "1",
+                 "--max-model-len", "8192") == 2
+    assert "vLLM refuses to start" in capsys.readouterr().err
+
+
+def test_a_stack_that_dies_reports_its_root_cause(tmp_path: Path) -> None:
+    env = StackEnv(model="m", served_name="m", engine_args=(), workdir=tmp_path / "w")
+    script = ("import sys; print('WARNING ulimit noise'); "
+              "print('ValueError: Available memory is too low'); "
+              "print('Traceback ...'); print('RuntimeError: Engine core failed'); sys.exit(1)")
+    port = free_port()
+    spec = ProcSpec("engine", [sys.executable, "-c", script],
+                    stacks.http_ready(f"http://127.0.0.1:{port}"))
+    with pytest.raises(stacks.StackError) as info:
+        launch(env, [spec], port)
+    first_line = str(info.value).splitlines()[0]
+    assert first_line == ("engine exited with status 1 before it was ready: "
+                          "ValueError: Available memory is too low")
