@@ -332,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     doc = load_doc(out / "sweep.json", settings(args, model), args.fresh)
     doc["command"] = command(args)
+    if doc["command"] not in doc.setdefault("commands", []):
+        doc["commands"].append(doc["command"])  # every invocation that added points
     sweep = Sweep(args, model, out, doc)
     for name in names:
         sweep.run_config(name, users, histories)

@@ -98,8 +98,11 @@ def plot(doc: Mapping[str, Any], path: str) -> None:
     ax_tp.set(xlabel="sessions (users)", ylabel="throughput (tokens/s, in + out)",
               title="throughput")
     ax_ttft.set(xlabel="sessions (users)", ylabel="p99 TTFT (s)", title="p99 time to first token")
+    ticks = sorted({p["users"] for c in configs.values() for p in c["points"]})
     for ax in (ax_tp, ax_ttft):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
     ax_tp.legend(fontsize=8)
     ratio = doc.get("cliff_ratio")
