@@ -1,4 +1,4 @@
-"""``kvtier`` command line: serve | server | bench | trace.
+"""``kvtier`` command line: serve | server | bench | trace | plan.
 
 Each subcommand lives with its package and exposes ``register(subparsers)``; modules whose
 optional dependencies are missing (vLLM for ``serve`` and ``bench ttft``) are reported when
@@ -21,11 +21,15 @@ from kvtier.errors import KvtierError
 _PLUGINS = {
     "serve": "kvtier.vllm.serve",
     "trace": "kvtier.trace.cli",
+    "plan": "kvtier.plan.cli",
 }
 _BENCH_PLUGINS = {
     "gpu": "kvtier.bench.gpu",
     "micro": "kvtier.bench.micro",
     "ttft": "kvtier.bench.ttft",
+    "multiround": "kvtier.bench.multiround",
+    "compare": "kvtier.bench.compare",
+    "sweep": "kvtier.bench.sweep",
 }
 
 

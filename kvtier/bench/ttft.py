@@ -16,7 +16,10 @@ engine settings with no connector, and with a connector that does nothing
 the same batches on each engine in turn (one engine alive at a time); each engine's best
 batch counts, which keeps out most of the noise from other processes on the machine.
 Targets: arena >= 5x faster than recompute and <= 1.5x the device hit; the connector costs
-<= 5% throughput without reuse. Also runs as ``python -m kvtier.bench.ttft``.
+<= 5% throughput without reuse. With ``--lmcache``, the same prompts also go to LMCache's
+multi-process server behind vLLM, from LMCache's own virtualenv (installed on first use; see
+:mod:`kvtier.bench.ttft_lmcache`), into the same JSON. Also runs as
+``python -m kvtier.bench.ttft``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="folder for the disk tier and socket (default: a temp dir)")
     p.add_argument("--json", dest="json_path", help="write the figures to this file")
     p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    p.add_argument("--lmcache", action="store_true", help="also measure LMCache MP on the "
+                   "same prompts (installs it into its own virtualenv on first use)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +94,7 @@ class _Bench:
         self.engines: list[Any] = []
         self.rng = random.Random(20240601)
         self.vocab = _vocab_size(model)
+        self.prompts: list[list[int]] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -161,12 +167,22 @@ class _Bench:
         tiered = self._engine("kvtier")
         times["kvtier"] = [self._batch_time(tiered, batch) for batch in batches]
         ttft = self._ttft(tiered)
+        lmcache = None
+        if self.args.lmcache:
+            from kvtier.bench import ttft_lmcache
+
+            self._shutdown(tiered)  # one engine alive at a time
+            lmcache = ttft_lmcache.measure(self.model, self.args.dtype,
+                                           self.args.max_model_len, self.prompts,
+                                           self.root / "lmcache")
         best = {name: min(t) for name, t in times.items()}
         tokens = n * (size + self.args.throughput_max_tokens)
         figures = _figures(self.args.prompt_tokens, ttft, best["none"] / best["kvtier"],
                            best["noop"] / best["kvtier"])
         figures.update({f"throughput_{name}_tok_s": round(tokens / t, 1)
                         for name, t in best.items()})
+        if lmcache is not None:
+            figures.update(_lmcache_figures(lmcache, figures))
         figures["omp_threads"] = int(os.environ["OMP_NUM_THREADS"])
         figures["throughput_batch_s"] = {k: [round(t, 3) for t in v] for k, v in times.items()}
         return figures
@@ -175,6 +191,7 @@ class _Bench:
         cases: dict[str, list[float]] = {"recompute": [], "device": [], "arena": [], "disk": []}
         for _ in range(self.args.repeats):
             prompt = self._prompt(self.args.prompt_tokens)
+            self.prompts.append(prompt)
             cases["recompute"].append(self._time(llm, prompt))
             self.server.store.flush(60)  # its chunks are on disk before the disk case
             cases["device"].append(self._time(llm, prompt))
@@ -231,6 +248,19 @@ def _figures(prompt_tokens: int, ttft: dict[str, list[float]], ratio: float,
     return figures
 
 
+def _lmcache_figures(cases: dict[str, list[float]], f: dict[str, Any]) -> dict[str, Any]:
+    med = {k: statistics.median(v) for k, v in cases.items()}
+    return {
+        "ttft_lmcache_recompute_s": round(med["recompute"], 4),
+        "ttft_lmcache_device_s": round(med["device"], 4),
+        "ttft_lmcache_hit_s": round(med["hit"], 4),
+        "ttft_lmcache_samples_s": {k: [round(x, 4) for x in v] for k, v in cases.items()},
+        "lmcache_speedup": round(med["recompute"] / med["hit"], 2),
+        "lmcache_hit_over_arena": round(med["hit"] / f["ttft_arena_s"], 2),
+        "lmcache_http_overhead_s": round(med["device"] - f["ttft_device_s"], 4),
+    }
+
+
 def report(f: dict[str, Any]) -> None:
     rows = [
         Row("ttft recompute (s)", f["ttft_recompute_s"], None, ""),
@@ -243,6 +273,14 @@ def report(f: dict[str, Any]) -> None:
         Row("throughput, no reuse (tok/s)", f["throughput_kvtier_tok_s"],
             f["throughput_noop_tok_s"], "no-op connector"),
     ]
+    if "ttft_lmcache_hit_s" in f:
+        rows += [
+            Row("ttft LMCache MP recompute, HTTP (s)", f["ttft_lmcache_recompute_s"], None, ""),
+            Row("ttft LMCache MP hit, HTTP (s)", f["ttft_lmcache_hit_s"],
+                f["ttft_lmcache_recompute_s"], "its recompute"),
+            Row("ttft arena hit (s)", f["ttft_arena_s"], f["ttft_lmcache_hit_s"],
+                "LMCache MP hit"),
+        ]
     print_table(rows, f"kvtier bench ttft: {f['prompt_tokens']}-token prompt")
     for name, ok in f["targets_met"].items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")

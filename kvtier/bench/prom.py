@@ -1,0 +1,77 @@
+"""The endpoint's own counters, before and after the measured rounds (Prometheus text).
+
+vLLM counts prompt tokens served from cache by the tier that supplied them
+(``vllm:prompt_tokens_cached_by_source{source=device|host|disk|p2p|external_unspecified}``)
+for any connector, kvtier's and LMCache's alike, next to ``vllm:prompt_tokens``. Their
+increase over the measured rounds is the run's hit quality per tier even when each streamed
+response says nothing (see :mod:`kvtier.bench.openai_client`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import httpx
+
+_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+PROMPT = "vllm:prompt_tokens_total"
+BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+KVTIER_LOADED = "vllm:kvtier_loaded_tokens_total"
+KVTIER_FAILED = "vllm:kvtier_failed_load_tokens_total"
+Counters = dict[str, float]
+
+
+def parse(text: str) -> Counters:
+    """The counters this module reads, summed over other labels: ``name`` or
+    ``name|label_value`` (source for the cache counters, tier for kvtier's)."""
+    out: Counters = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        match = _LINE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        if name not in (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED):
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        label = dict(_LABEL.findall(labels or ""))
+        sub = label.get("source") or label.get("tier")
+        key = f"{name}|{sub}" if sub else name
+        out[key] = out.get(key, 0.0) + number
+    return out
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> Counters | None:
+    """The counters at ``url``, or None if it does not answer."""
+    try:
+        resp = httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return parse(resp.text) if resp.status_code == 200 else None
+
+
+def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
+    """Prompt tokens and cached tokens by source over the interval, and kvtier's loads."""
+    def d(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    sources = sorted({k.split("|", 1)[1] for k in after if k.startswith(BY_SOURCE + "|")})
+    tiers = sorted({k.split("|", 1)[1] for k in after if k.startswith(KVTIER_LOADED + "|")})
+    prompt = d(PROMPT)
+    cached = {s: int(d(f"{BY_SOURCE}|{s}")) for s in sources}
+    out: dict[str, object] = {
+        "prompt_tokens": int(prompt),
+        "cached_tokens_by_source": cached,
+        "hit_ratio": (sum(cached.values()) / prompt) if prompt > 0 else None,
+    }
+    if tiers:
+        out["kvtier_loaded_tokens"] = {t: int(d(f"{KVTIER_LOADED}|{t}")) for t in tiers}
+        out["kvtier_failed_load_tokens"] = int(d(KVTIER_FAILED))
+    return out

@@ -1,0 +1,301 @@
+"""Serving stacks a sweep starts and stops: a small registry of configurations.
+
+A configuration is a name, a line of description and a *starter*: a function that takes the
+settings every configuration shares (:class:`StackEnv`: model, engine flags, sizes, a fresh
+work folder) and returns a running :class:`Stack` (its URL and processes). Adding one is a few
+lines::
+
+    def _start_mine(env: StackEnv) -> Stack:
+        port = free_port()
+        return launch(env, [engine(env, "vllm", [...vLLM command...], port)], port)
+
+    register_stack("mine", "what it is", _start_mine)
+
+Every process runs in its own session (process group) with its output in the work folder;
+``Stack.stop`` sends SIGTERM to each group it started (last started first), and SIGKILL
+after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.errors import ConfigError, KvtierError, UnknownBackendError
+
+VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
+
+
+class StackError(KvtierError):
+    """A configuration could not be started (the message ends with its log's tail)."""
+
+
+@dataclass(frozen=True)
+class StackEnv:
+    model: str
+    served_name: str
+    engine_args: tuple[str, ...]
+    """vLLM flags every configuration gets (dtype, lengths, device blocks, ...)."""
+    workdir: Path
+    arena_bytes: int = 1 << 30
+    disk_bytes: int = 4 << 30
+    lmcache_l1_gb: float = 1.0
+    chunk_tokens: int = 256
+    ready_timeout_s: float = 600.0
+    stop_timeout_s: float = 60.0
+    env: dict[str, str] = field(default_factory=dict)
+    python: str = sys.executable
+
+
+@dataclass(frozen=True)
+class ProcSpec:
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Stack:
+    url: str
+    procs: list[Proc]
+    stop_timeout_s: float = 60.0
+
+    def alive(self) -> bool:
+        return all(p.popen.poll() is None for p in self.procs)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            _stop(proc.popen, self.stop_timeout_s)
+
+    def log_tail(self, chars: int = 1500) -> str:
+        return "\n".join(f"--- {p.name} ({p.log}):\n{_tail(p.log, chars)}" for p in self.procs)
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    name: str
+    description: str
+    start: Callable[[StackEnv], Stack]
+
+
+STACKS: dict[str, StackSpec] = {}
+
+
+def register_stack(name: str, description: str, start: Callable[[StackEnv], Stack]) -> None:
+    if name in STACKS:
+        raise ConfigError(f"stack {name!r} is registered twice")
+    STACKS[name] = StackSpec(name, description, start)
+
+
+def get_stack(name: str) -> StackSpec:
+    if name not in STACKS:
+        raise UnknownBackendError(f"unknown configuration {name!r}; known: "
+                                  f"{', '.join(STACKS)}")
+    return STACKS[name]
+
+
+# ------------------------------------------------------------------ processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_ready(url: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+    return ready
+
+
+def tcp_ready(port: int) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                return True
+        except OSError:
+            return False
+    return ready
+
+
+def engine(name: str, argv: list[str], port: int, env: dict[str, str] | None = None
+           ) -> ProcSpec:
+    """An OpenAI-compatible server on ``port``, ready when it lists its models."""
+    return ProcSpec(name, argv, http_ready(f"http://127.0.0.1:{port}/v1/models"), env or {})
+
+
+def launch(env: StackEnv, specs: Sequence[ProcSpec], port: int) -> Stack:
+    """Start ``specs`` in order, each once the previous one is ready."""
+    env.workdir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(f"http://127.0.0.1:{port}", [], env.stop_timeout_s)
+    try:
+        for spec in specs:
+            log = env.workdir / f"{spec.name}.log"
+            with open(log, "ab") as out:
+                popen = subprocess.Popen(spec.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **env.env, **spec.env},
+                                         start_new_session=True)
+            proc = Proc(spec.name, popen, log)
+            stack.procs.append(proc)
+            _wait(spec, proc, env.ready_timeout_s)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def _wait(spec: ProcSpec, proc: Proc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not spec.ready():
+        rc = proc.popen.poll()
+        if rc is not None:
+            raise StackError(f"{spec.name} exited with status {rc} before it was ready: "
+                             f"{_cause(proc.log)}\n{_tail(proc.log)}")
+        if time.monotonic() > deadline:
+            raise StackError(f"{spec.name} was not ready after {timeout_s:.0f} s: "
+                             f"{_cause(proc.log)}\n{_tail(proc.log)}")
+        time.sleep(0.5)
+
+
+def _stop(popen: subprocess.Popen[bytes], timeout_s: float) -> None:
+    if popen.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, signal.SIGTERM)  # the session this stack started, by its id
+    try:
+        popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait(timeout=30)
+    # children of a leader that exited first (e.g. vLLM's EngineCore) go with the group
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+
+
+_CAUSE = re.compile(r"\b(?:[A-Z][A-Za-z]*Error|Exception)\b: .*")
+
+
+def _cause(path: Path) -> str:
+    """The log's first error line (the root cause, before the tracebacks it sets off)."""
+    for line in _tail(path, 200_000).splitlines():
+        match = _CAUSE.search(line)
+        if match and "ulimit" not in line:
+            return match.group()[:300]
+    return "(no error line in its log)"
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "(no log)"
+    return data[-chars:].decode(errors="replace")
+
+
+# ------------------------------------------------------------------ configurations
+
+
+def _vllm(env: StackEnv, port: int, python: str | None = None,
+          transfer: Mapping[str, object] | None = None) -> list[str]:
+    argv = [python or env.python, *VLLM_SERVER, "--model", env.model, "--served-model-name",
+            env.served_name, "--host", "127.0.0.1", "--port", str(port),
+            "--enable-prefix-caching", *env.engine_args]
+    if transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
+    return argv
+
+
+def _kvtier(env: StackEnv, port: int, disk: bool) -> list[str]:
+    argv = [env.python, "-m", "kvtier", "serve", "--model", env.model, "--port", str(port),
+            "--host", "127.0.0.1", "--served-model-name", env.served_name,
+            "--arena-size", str(env.arena_bytes), "--chunk-tokens", str(env.chunk_tokens),
+            "--socket-path", str(env.workdir / "kvtier.sock"), "--enable-prefix-caching"]
+    if disk:
+        argv += ["--disk-path", str(env.workdir / "disk"), "--disk-size", str(env.disk_bytes)]
+    else:
+        argv += ["--no-disk"]
+    return [*argv, *env.engine_args]
+
+
+def _start_device(env: StackEnv) -> Stack:
+    port = free_port()
+    return launch(env, [engine("vllm", _vllm(env, port), port)], port)
+
+
+def _start_arena(env: StackEnv) -> Stack:
+    port = free_port()
+    return launch(env, [engine("kvtier-serve", _kvtier(env, port, disk=False), port)], port)
+
+
+def _start_arena_disk(env: StackEnv) -> Stack:
+    port = free_port()
+    return launch(env, [engine("kvtier-serve", _kvtier(env, port, disk=True), port)], port)
+
+
+def _start_noop(env: StackEnv) -> Stack:
+    port = free_port()
+    transfer = {"kv_connector": "NoopConnector", "kv_connector_module_path": "kvtier.vllm.noop",
+                "kv_role": "kv_both"}
+    return launch(env, [engine("vllm-noop", _vllm(env, port, transfer=transfer), port)], port)
+
+
+def _start_example(env: StackEnv) -> Stack:
+    port = free_port()
+    transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path":
+                                              str(env.workdir / "example")}}
+    return launch(env, [engine("vllm-example", _vllm(env, port, transfer=transfer), port)],
+                  port)
+
+
+def _start_lmcache(env: StackEnv) -> Stack:
+    from kvtier.bench.peers import ensure_lmcache
+
+    python = str(ensure_lmcache(log_file=env.workdir.parent / "lmcache-install.log"))
+    port, mp_port = free_port(), free_port()
+    server = ProcSpec("lmcache-server", [
+        python, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
+        "--port", str(mp_port), "--l1-size-gb", f"{env.lmcache_l1_gb:g}",
+        "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+        "--chunk-size", str(env.chunk_tokens)], tcp_ready(mp_port))
+    transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                              "lmcache.mp.port": mp_port}}
+    vllm = engine("vllm-lmcache", _vllm(env, port, python=python, transfer=transfer), port)
+    return launch(env, [server, vllm], port)
+
+
+register_stack("device", "plain vLLM, prefix caching on (the device cache only)", _start_device)
+register_stack("device+noop", "plain vLLM with a connector that does nothing "
+               "(kvtier.vllm.noop): what configuring any connector changes in vLLM",
+               _start_noop)
+register_stack("arena", "kvtier serve: device + host-RAM arena", _start_arena)
+register_stack("arena+disk", "kvtier serve: device + arena + disk tier", _start_arena_disk)
+register_stack("example", "vLLM's ExampleConnector (KV files in a folder)", _start_example)
+register_stack("lmcache", "LMCache multi-process server + LMCacheMPConnector (own venv)",
+               _start_lmcache)
