@@ -22,6 +22,7 @@ _PLUGINS = {
     "serve": "kvtier.vllm.serve",
     "trace": "kvtier.trace.cli",
     "plan": "kvtier.plan.cli",
+    "admin": "kvtier.admin",
 }
 _BENCH_PLUGINS = {
     "gpu": "kvtier.bench.gpu",
