@@ -15,6 +15,7 @@ touch it while that server answers on its socket, and ``gc`` leaves it to the se
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import secrets
 import socket
@@ -101,13 +102,13 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    out = []
+    out: list[dict[str, object]] = []
     for config, tier in _tiers(args):
         if not isinstance(tier, SharedTier):
             out.append({"tier": config.name, "skipped": "a local tier is kept by its server"})
             continue
         report = sweep(tier, config.capacity_bytes, dry_run=args.dry_run,
-                       deleted=lambda chunks, t=tier: _journal(t, chunks))
+                       deleted=functools.partial(_journal, tier))
         out.append({"tier": config.name, "dry_run": args.dry_run,
                     "usage": {ns.hex(): used for ns, used in report.usage.items()},
                     "deleted_chunks": len(report.deleted),
@@ -120,7 +121,7 @@ def run_gc(args: argparse.Namespace) -> int:
 
 def run_rm(args: argparse.Namespace) -> int:
     prefix = args.namespace.lower()
-    out = []
+    out: list[dict[str, object]] = []
     for config, tier in _tiers(args):
         if not tier.shared and _server_answers(args.config):
             raise ConfigError(f"tier {config.name} is local and its server is running: stop "
