@@ -52,6 +52,8 @@ def baseline(demo_model: str) -> Iterator[dict[str, list[list[int]]]]:
             name: e2e.one_by_one(llm, getattr(e2e, name), max_tokens).tokens
             for name, max_tokens in BASELINE_SETS.items()
         }
+        for backend, batch in e2e.CROSS.items():
+            yield_value[f"CROSS_{backend}"] = e2e.one_by_one(llm, batch, 8).tokens
     finally:
         e2e.close_llm(llm)
     yield yield_value

@@ -42,6 +42,9 @@ PREEMPT = prompts([2800, 2800, 2800, 2800], seed=2)
 SHARED_1 = prompts([4000, 1500], seed=3)
 SHARED_2 = prompts([2600, 3300], seed=4)
 ABORTED = prompts([2000], seed=5)
+CROSS = {backend: prompts([2600, 1400], seed=10 + i)
+         for i, backend in enumerate(("fs", "fuse", "s3", "redis"))}
+"""Per shared backend: prompts stored by one node's engine and loaded by another's."""
 
 
 @dataclass
@@ -51,6 +54,8 @@ class ServerProcess:
     root: Path
     arena_bytes: int = 256 << 20
     disk_bytes: int = 2 << 30
+    tiers: list[dict[str, Any]] | None = None
+    """Lower tiers of the config (default: one disk tier under ``root``)."""
     socket_path: str = ""
     proc: subprocess.Popen[bytes] | None = None
     arena_name: str = ""
@@ -73,8 +78,9 @@ class ServerProcess:
             "socket_path": self.socket_path, "log_format": "text",
             "arena": {"size_bytes": self.arena_bytes, "slot_bytes": 4096 + (1 << 20),
                       "name": self.arena_name},
-            "tiers": [{"type": "disk", "capacity_bytes": self.disk_bytes,
-                       "options": {"path": str(self.disk_path)}}],
+            "tiers": self.tiers if self.tiers is not None else [
+                {"type": "disk", "capacity_bytes": self.disk_bytes,
+                 "options": {"path": str(self.disk_path)}}],
         }
         path = self.root / "server.yaml"
         path.write_text(yaml.safe_dump(config))
