@@ -112,6 +112,15 @@ class StatsReply(Reply, tag="stats_reply"):
     stats: dict[str, object]
 
 
+class EventsReply(Reply, tag="events_reply"):
+    events: list[tuple[int, str, str, bytes]]
+    """(seq, "stored" | "removed", tier, key) in order."""
+    next: int
+    """Ask from here next time."""
+    lost: bool
+    """Events after the one asked from were dropped (the log is bounded): resynchronise."""
+
+
 class Error(Reply, tag="error"):
     code: str
     """``bad_request`` (the client's mistake; nothing changed), ``internal`` (a server bug;
@@ -195,11 +204,32 @@ class Report(Op[CountReply], tag="report"):
     counters: Annotated[dict[str, float], Meta(max_length=1024)]
 
 
+class Register(Op[CountReply], tag="register"):
+    """An engine describes a namespace it uses, so tools that only see the node server (the
+    router, ``kvtier ls``) can compute its keys and name it."""
+
+    REPLY = CountReply
+    namespace_fp: Fingerprint
+    info: Annotated[dict[str, str | int], Meta(max_length=32)]
+    """At least ``model``, ``chunk_tokens``; also ``block_size``, ``served_model_name``..."""
+
+
+class Events(Op[EventsReply], tag="events"):
+    """What the store stored and removed since ``since`` (of one namespace)."""
+
+    REPLY = EventsReply
+    since: Annotated[int, Meta(ge=0)] = 0
+    namespace_fp: Fingerprint | None = None
+    limit: Annotated[int, Meta(ge=1, le=65536)] = 4096
+
+
 REQUESTS: tuple[type[Op[Any]], ...] = (
-    Hello, Lookup, Reserve, Commit, Abort, Lease, Wait, Release, SetPriority, Stats, Report)
+    Hello, Lookup, Reserve, Commit, Abort, Lease, Wait, Release, SetPriority, Stats, Report,
+    Register, Events)
 """Every operation (the server's handler table must cover exactly these)."""
 REPLIES: tuple[type[Reply], ...] = (
-    HelloReply, LookupReply, ReserveReply, CountReply, LeaseReply, LeaseStatus, StatsReply, Error)
+    HelloReply, LookupReply, ReserveReply, CountReply, LeaseReply, LeaseStatus, StatsReply,
+    EventsReply, Error)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder: msgspec.msgpack.Decoder[Op[Any]] = msgspec.msgpack.Decoder(

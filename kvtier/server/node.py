@@ -30,6 +30,7 @@ from kvtier.protocol import (
     encode,
     read_frame,
 )
+from kvtier.server.http import NodeHTTP
 from kvtier.server.service import Caller, Service
 from kvtier.server.sessions import Sessions
 from kvtier.store import TieredStore
@@ -54,7 +55,7 @@ class NodeServer:
         self._conn_ids = itertools.count(1)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._http: Any = None
+        self._http: NodeHTTP | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -106,7 +107,7 @@ class NodeServer:
         for thread in self._threads:
             thread.join(timeout=5)
         if self._http is not None:
-            self._http.shutdown()
+            self._http.stop()
         if self.service is not None:
             self.service.close()
         if self.store is not None:
@@ -253,14 +254,12 @@ class NodeServer:
     def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
             return
-        from prometheus_client import start_http_server
-
-        server, _thread = start_http_server(self.config.metrics_port,
-                                            addr=self.config.metrics_host,
-                                            registry=self.metrics.registry)
-        self._http = server
-        self.metrics_port = server.server_address[1]
-        log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
+        assert self.service is not None
+        self._http = NodeHTTP(self.service, self.config.metrics_host,
+                              self.config.metrics_port).start()
+        self.metrics_port = self._http.port
+        log.info("metrics and lookups on http://%s:%d/ (/metrics, /v1/lookup)",
+                 self.config.metrics_host, self.metrics_port)
 
     def _spawn(self, target: Any, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)

@@ -33,6 +33,8 @@ from kvtier.protocol import (
     Commit,
     CountReply,
     Error,
+    Events,
+    EventsReply,
     Hello,
     HelloReply,
     Lease,
@@ -41,6 +43,7 @@ from kvtier.protocol import (
     Lookup,
     LookupReply,
     Op,
+    Register,
     Release,
     Reply,
     Report,
@@ -56,6 +59,7 @@ from kvtier.store.records import ItemState, LeaseRecord
 
 log = logging.getLogger("kvtier.server")
 _LABEL = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_NAMESPACES = 256
 
 OpT = TypeVar("OpT", bound=Op[Any])
 Handler = Callable[["Service", "Caller", Any], Reply]
@@ -89,6 +93,8 @@ class Service:
         self.store = store
         self.instance = store.instance
         self.max_report_series = max_report_series
+        self.namespaces: dict[bytes, dict[str, str | int]] = {}
+        """What engines registered about their namespaces (for the router and tools)."""
         self._series: set[tuple[str, str, str]] = set()
         self._series_lock = threading.Lock()
         self._log_file: IO[str] | None = None
@@ -179,6 +185,25 @@ class Service:
     @handles(Stats)
     def _stats(self, caller: Caller, request: Stats) -> Reply:
         return StatsReply(self.store.stats())
+
+    @handles(Register)
+    def _register(self, caller: Caller, request: Register) -> Reply:
+        info = dict(request.info)
+        for name in ("model", "chunk_tokens"):
+            if name not in info:
+                raise InvalidRequest(f"register: info needs {name!r}")
+        with self._series_lock:
+            if (request.namespace_fp not in self.namespaces
+                    and len(self.namespaces) >= MAX_NAMESPACES):
+                raise InvalidRequest(f"register: at most {MAX_NAMESPACES} namespaces")
+            self.namespaces[request.namespace_fp] = info
+        return CountReply(1)
+
+    @handles(Events)
+    def _events(self, caller: Caller, request: Events) -> Reply:
+        events, next_seq, lost = self.store.events_since(request.since, request.limit,
+                                                         request.namespace_fp)
+        return EventsReply([(e.seq, e.op, e.tier, e.key) for e in events], next_seq, lost)
 
     @handles(Report)
     def _report(self, caller: Caller, request: Report) -> Reply:

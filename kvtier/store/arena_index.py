@@ -17,15 +17,17 @@ from kvtier.config import ArenaConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
 from kvtier.policies import EvictionPolicy, make_eviction
+from kvtier.store.events import REMOVED, STORED, EventLog
 from kvtier.store.records import Entry, Where
 from kvtier.tiers.arena import Arena
 
 
 class ArenaIndex:
-    def __init__(self, config: ArenaConfig, name: str) -> None:
+    def __init__(self, config: ArenaConfig, name: str, events: EventLog | None = None) -> None:
         self.arena = Arena(name, config.num_slots, config.slot_bytes, prefault=config.prefault)
         self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, config.num_slots)
         self.entries: dict[ChunkKey, Entry] = {}
+        self.events = events
 
     def get(self, key: ChunkKey) -> Entry | None:
         return self.entries.get(key)
@@ -51,12 +53,16 @@ class ArenaIndex:
             self.policy.insert(entry.key, entry.priority)  # first: it may raise, publish not
         self.arena.publish(entry.slot)
         entry.where = Where.READY
+        if self.events is not None:
+            self.events.add(STORED, "arena", entry.namespace_fp, entry.key)
 
     def drop(self, entry: Entry) -> None:
         """The chunk leaves the arena; its slot is free again."""
         self.arena.free(entry.slot)  # first: it refuses a leased slot
         self.policy.remove(entry.key)
         del self.entries[entry.key]
+        if self.events is not None and entry.where is Where.READY:
+            self.events.add(REMOVED, "arena", entry.namespace_fp, entry.key)
 
     def pin(self, entry: Entry) -> None:
         self.arena.lease(entry.slot)

@@ -45,6 +45,7 @@ from kvtier.metrics import StoreMetrics
 from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy, check_priority
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.breaker import BreakerState
+from kvtier.store.events import Event, EventLog
 from kvtier.store.holdings import Holdings
 from kvtier.store.housekeeping import Housekeeper
 from kvtier.store.integrity import check_store
@@ -86,7 +87,9 @@ class TieredStore:
         self.lock_max_s: dict[str, float] = {}
         """The longest hold of the store lock per operation (see :meth:`_locked`)."""
         self.lock_cpu_max_s: dict[str, float] = {}
-        self.index = ArenaIndex(config.arena, arena_name)
+        self.events = EventLog()
+        """What became servable in which tier, and what left (for engines' KV events)."""
+        self.index = ArenaIndex(config.arena, arena_name, self.events)
         try:
             self.tiers = [self._tier(i) for i in range(len(config.tiers))]
         except BaseException:
@@ -118,7 +121,8 @@ class TieredStore:
             self._breaker_changed(config.name, old, new, reason)
 
         try:
-            return LowerTierState(config, self.config.arena.slot_bytes, self.clock, on_change)
+            return LowerTierState(config, self.config.arena.slot_bytes, self.clock, on_change,
+                                  events=self.events)
         except ConfigError as exc:
             raise ConfigError(f"tiers[{index}]: {exc}") from exc
 
@@ -583,6 +587,12 @@ class TieredStore:
         self.metrics.breaker_transitions.labels(tier, new.name.lower()).inc()
 
     # ------------------------------------------------------------------ views, shutdown
+
+    def events_since(self, seq: int, limit: int = 4096, namespace: bytes | None = None
+                     ) -> tuple[list[Event], int, bool]:
+        """Store events after ``seq`` (see :mod:`kvtier.store.events`)."""
+        with self._locked("events"):
+            return self.events.since(seq, limit, namespace)
 
     def stats(self) -> dict[str, object]:
         now = self.clock()

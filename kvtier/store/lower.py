@@ -32,6 +32,7 @@ from kvtier.policies import (
 )
 from kvtier.store.breaker import CircuitBreaker, OnChange
 from kvtier.store.estimate import ReadEstimate
+from kvtier.store.events import REMOVED, STORED, EventLog
 from kvtier.store.iopool import IOPool
 from kvtier.tiers import TIERS, LowerTier, Space
 
@@ -43,8 +44,10 @@ log = logging.getLogger("kvtier.store")
 
 class LowerTierState:
     def __init__(self, config: TierConfig, chunk_bytes_hint: int, clock: Callable[[], float],
-                 on_breaker_change: OnChange, tier: LowerTier | None = None) -> None:
+                 on_breaker_change: OnChange, tier: LowerTier | None = None,
+                 events: EventLog | None = None) -> None:
         self.config = config
+        self.events = events
         self.name = config.name
         self.tier = tier or TIERS[config.type].from_config(config.name, config)
         self.configured = config.capacity_bytes
@@ -108,6 +111,7 @@ class LowerTierState:
                 key = ChunkKey(raw)  # type: ignore[arg-type]
                 self.used -= self.sizes.pop(key)
                 victims.append((key, self.namespaces.pop(key)))
+                self._event(REMOVED, victims[-1][1], key)
         self.reserved += size
         return victims
 
@@ -124,6 +128,7 @@ class LowerTierState:
         self.namespaces[key] = self._interned.setdefault(namespace, namespace)
         self.used += size
         self.policy.insert(key, priority)
+        self._event(STORED, namespace, key)
 
     def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
         """A chunk found in the tier (restart scan): account it, oldest first."""
@@ -136,7 +141,13 @@ class LowerTierState:
             return None
         self.used -= size
         self.policy.remove(key)
-        return self.namespaces.pop(key)
+        namespace = self.namespaces.pop(key)
+        self._event(REMOVED, namespace, key)
+        return namespace
+
+    def _event(self, op: str, namespace: bytes, key: ChunkKey) -> None:
+        if self.events is not None:
+            self.events.add(op, self.name, namespace, key)
 
     def learn_space(self, space: Space | None, full: bool = False) -> None:
         """Never promise more than the filesystem can hold (``full``: a write just failed

@@ -105,7 +105,10 @@ class KvtierConnector(KVConnectorBase_V1):
         log.info("kvtier connector (scheduler) on %s, namespace %s, chunk %d tokens = %d bytes",
                  self.cfg.socket_path, ns.short, self.cfg.chunk_tokens, self.layout.payload_len)
         _check_server(client, self.layout.payload_len)
-        return SchedulerSide(self.cfg, ns, self.layout, self.block_size, link)
+        side = SchedulerSide(self.cfg, ns, self.layout, self.block_size, link,
+                             info=_namespace_info(self._vllm_config))
+        side.register()
+        return side
 
     def _make_worker_side(self) -> WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -313,6 +316,15 @@ def _source(tier: str) -> CacheHitSource:
     if tier.startswith(("disk", "fs")):
         return CacheHitSource.DISK
     return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+def _namespace_info(vllm_config: VllmConfig) -> dict[str, str | int]:
+    """What a router needs to compute this engine's keys: the tokenizer it uses and the
+    name clients call the model by."""
+    model = vllm_config.model_config
+    served = model.served_model_name
+    name = served[0] if isinstance(served, list | tuple) and served else served or model.model
+    return {"served_model_name": str(name), "tokenizer": str(model.tokenizer or model.model)}
 
 
 def _check_server(client: KvtierClient, payload_len: int) -> None:

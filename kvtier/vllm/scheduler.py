@@ -31,6 +31,7 @@ from kvtier.protocol import (
     Lease,
     LeaseReply,
     Lookup,
+    Register,
     Release,
     Report,
     Reserve,
@@ -83,7 +84,8 @@ class _Pending:
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, namespace: Namespace, layout: PayloadLayout,
                  block_size: int, link: ServerLink,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 info: dict[str, str | int] | None = None) -> None:
         self.cfg = config
         self.ns = namespace
         self.layout = layout
@@ -99,6 +101,10 @@ class SchedulerSide:
         self.fences = StoreFences()
         self._link_failures_seen = 0
         self._reported_at = 0.0
+        self.info = {"model": namespace.model, "chunk_tokens": config.chunk_tokens,
+                     "block_size": block_size, **(info or {})}
+        """What the node server is told about this namespace (Register)."""
+        self._registered: str | None = None
 
     # ------------------------------------------------------------------ admission
 
@@ -221,10 +227,12 @@ class SchedulerSide:
 
     def _report(self, now: float, force: bool = False) -> None:
         """Tell the node server what this engine saw: at most once per REPORT_EVERY_S while
-        steps run, and when a request finishes (an idle engine stops stepping)."""
+        steps run, and when a request finishes (an idle engine stops stepping). A server
+        seen for the first time (a new start) is told about this namespace first."""
         if (now - self._reported_at < REPORT_EVERY_S and not force) or not self.link.available:
             return
         self._reported_at = now
+        self.register()
         counters = self.counters.take_unreported()
         if counters:
             self.link.call(Report(f"vllm-{self.ns.short[:8]}", counters), None)
@@ -391,6 +399,16 @@ class SchedulerSide:
         """The namespace changed: recompute every tracked request's keys on next use."""
         for st in self._reqs.values():
             st.keys = None
+        self._registered = None
+
+    def register(self) -> None:
+        """Describe this namespace to the server once per server start."""
+        server = self.link.arena_name()
+        if server is None or server == self._registered:
+            return
+        info = {**self.info, "namespace": self.ns.short}
+        if self.link.call(Register(self.ns.fingerprint, info), None) is not None:
+            self._registered = server
 
     def has_pending_work(self) -> bool:
         return bool(self._loads or self._pending)

@@ -303,3 +303,13 @@ def test_request_priority_reaches_the_stored_chunks(make_server: Any, engines: A
     assert [server.store.entries[k].priority for k in keys] == [90, 90, 90]
     stored_prompt(engine, priority=10)  # a later request lowers them: retention follows use
     assert [server.store.entries[k].priority for k in keys] == [10, 10, 10]
+
+
+def test_the_scheduler_side_registers_its_namespace_with_each_server_start(
+        make_server: Any, engines: Any) -> None:
+    server = make_server(slots=16)
+    engine = engines(server)
+    stored_prompt(engine)  # a step reports, and registers first
+    assert server.service is not None
+    info = server.service.namespaces[engine.sched.ns.fingerprint]
+    assert info["chunk_tokens"] == CHUNK and info["namespace"] == engine.sched.ns.short
