@@ -8,5 +8,6 @@ from kvtier.tiers.base import LowerTier, Space, StoredChunk
 TIERS: Registry[LowerTier] = Registry("tier type")
 TIERS.register("disk", "kvtier.tiers.disk:DiskTier")
 TIERS.register("fs", "kvtier.tiers.fs:FsTier")
+TIERS.register("s3", "kvtier.tiers.s3:S3Tier", install_hint="pip install 'kvtier[shared]'")
 
 __all__ = ["TIERS", "LowerTier", "Space", "StoredChunk"]
