@@ -31,6 +31,7 @@ _BENCH_PLUGINS = {
     "multiround": "kvtier.bench.multiround",
     "compare": "kvtier.bench.compare",
     "sweep": "kvtier.bench.sweep",
+    "shared": "kvtier.bench.shared",
 }
 
 

@@ -7,7 +7,11 @@ vLLM engine with the kvtier connector (node server hosted by this process):
 - device: the same prompt again, from vLLM's own prefix cache;
 - arena: vLLM's cache reset, the prompt's KV comes from kvtier's host-RAM arena;
 - disk: the server restarted (arena empty) and the chunk files evicted from the page
-  cache, the KV comes from the disk tier through the arena.
+  cache, the KV comes from the disk tier through the arena;
+- shared (``--shared fs,s3``): a prompt computed with node A's server (arena + a shared tier
+  only), then asked for through node B's server (an arena of its own, the same shared tier,
+  at the engine's socket: the engine plays the second node's): ``ttft_shared_fs_s``,
+  ``ttft_shared_s3_s`` (S3 is a SeaweedFS started on loopback).
 
 TTFT is the wall time of a ``max_tokens=1`` request; medians are reported. Then the
 throughput of unique prompts (no reuse possible) with the kvtier connector over the same
@@ -25,6 +29,7 @@ multi-process server behind vLLM, from LMCache's own virtualenv (installed on fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -34,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kvtier.bench import pagecache
 from kvtier.bench.report import Row, print_table
@@ -64,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     p.add_argument("--lmcache", action="store_true", help="also measure LMCache MP on the "
                    "same prompts (installs it into its own virtualenv on first use)")
+    p.add_argument("--shared", default="fs,s3", help="shared tiers to serve a second node's "
+                   "engine from: fs, s3 (SeaweedFS on loopback), or none (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,6 +176,8 @@ class _Bench:
         tiered = self._engine("kvtier")
         times["kvtier"] = [self._batch_time(tiered, batch) for batch in batches]
         ttft = self._ttft(tiered)
+        shared = {f"shared_{name}": self._ttft_shared(tiered, name)
+                  for name in self.args.shared.split(",") if name not in ("", "none")}
         lmcache = None
         if self.args.lmcache:
             from kvtier.bench import ttft_lmcache
@@ -179,6 +190,11 @@ class _Bench:
         tokens = n * (size + self.args.throughput_max_tokens)
         figures = _figures(self.args.prompt_tokens, ttft, best["none"] / best["kvtier"],
                            best["noop"] / best["kvtier"])
+        for case, samples in shared.items():
+            median = statistics.median(samples)
+            figures[f"ttft_{case}_s"] = round(median, 4)
+            figures[f"{case}_speedup"] = round(figures["ttft_recompute_s"] / median, 2)
+            figures["ttft_samples_s"][case] = [round(x, 4) for x in samples]
         figures.update({f"throughput_{name}_tok_s": round(tokens / t, 1)
                         for name, t in best.items()})
         if lmcache is not None:
@@ -203,6 +219,54 @@ class _Bench:
             llm.reset_prefix_cache()
             cases["disk"].append(self._time(llm, prompt))
         return cases
+
+    def _ttft_shared(self, llm: Any, backend: str) -> list[float]:
+        """A prompt computed on one node, then asked for on another node (a server with an
+        arena of its own, at the engine's socket) that shares only the ``backend`` tier."""
+        from kvtier.server import EmbeddedServer
+
+        with contextlib.ExitStack() as stack:
+            tier = self._shared_tier(backend, stack)
+            config = msgspec.structs.replace(self._server_config(), tiers=(tier,))
+            samples = []
+            for _ in range(self.args.repeats):
+                prompt = self._prompt(self.args.prompt_tokens)
+                self.server.stop(drain_s=30)
+                self.server = EmbeddedServer(config).start()  # node A
+                llm.reset_prefix_cache()
+                self._time(llm, prompt)
+                self.server.store.flush(120)  # written through to the shared tier
+                self.server.stop(drain_s=30)
+                if backend == "fs":
+                    pagecache.evict(self.root / "shared")  # node B's cache has none of it
+                self.server = EmbeddedServer(config).start()  # node B: lists the shared tier
+                llm.reset_prefix_cache()
+                samples.append(self._time(llm, prompt))
+            self.server.stop(drain_s=30)
+            self.server = None
+        self._start_server()
+        return samples
+
+    def _shared_tier(self, backend: str, stack: contextlib.ExitStack) -> Any:
+        from kvtier.config import TierConfig
+
+        options: dict[str, Any] = {"sweep_interval_s": 3600}
+        if backend == "fs":
+            options["path"] = str(self.root / "shared")
+        elif backend == "s3":
+            from kvtier.services import SeaweedFS
+
+            weed = stack.enter_context(SeaweedFS())
+            keys = self.root / "s3.keys"
+            keys.write_text(f"AWS_ACCESS_KEY_ID={weed.credentials.access_key}\n"
+                            f"AWS_SECRET_ACCESS_KEY={weed.credentials.secret_key}\n")
+            keys.chmod(0o600)
+            options.update(bucket="kvtier-ttft", endpoint_url=weed.endpoint, tls=False,
+                           create_bucket=True, credentials=f"file:{keys}")
+        else:
+            raise SystemExit(f"--shared: unknown tier {backend!r}; allowed: fs, s3, none")
+        return TierConfig(type=backend, name="shared", capacity_bytes=64 << 30, io_threads=4,
+                          options=options)
 
     def _batch_time(self, llm: Any, batch: list[list[int]]) -> float:
         start = time.perf_counter()
@@ -268,6 +332,8 @@ def report(f: dict[str, Any]) -> None:
         Row("ttft arena hit (s)", f["ttft_arena_s"], f["ttft_recompute_s"], "recompute"),
         Row("ttft arena hit (s)", f["ttft_arena_s"], f["ttft_device_s"], "device hit"),
         Row("ttft disk hit (s)", f["ttft_disk_s"], f["ttft_recompute_s"], "recompute"),
+        *[Row(f"ttft {k[5:-2].replace('_', ' ')}, other node (s)", v, f["ttft_recompute_s"],
+              "recompute") for k, v in f.items() if k.startswith("ttft_shared_")],
         Row("throughput, no reuse (tok/s)", f["throughput_kvtier_tok_s"],
             f["throughput_none_tok_s"], "no connector"),
         Row("throughput, no reuse (tok/s)", f["throughput_kvtier_tok_s"],

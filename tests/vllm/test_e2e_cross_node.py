@@ -57,6 +57,15 @@ def shared_tier(backend: str, request: pytest.FixtureRequest, tmp_path: Path
         make_mount = request.getfixturevalue("make_seaweed_mount")
         return (fs_tier(Path(make_mount().path) / "kvtier"),
                 fs_tier(Path(make_mount().path) / "kvtier"))
+    if backend == "s3":
+        from tiers.s3_helpers import key_file
+
+        bucket = request.getfixturevalue("s3_bucket")
+        keys = key_file(tmp_path / "keys", bucket.credentials)
+        tier = {"type": "s3", "name": "shared", "capacity_bytes": 1 << 30, "io_threads": 4,
+                "options": {"bucket": bucket.name, "endpoint_url": bucket.endpoint,
+                            "tls": False, "credentials": f"file:{keys}", **SHARING}}
+        return tier, tier
     pytest.fail(f"backend {backend} is not wired yet")
 
 
@@ -64,7 +73,7 @@ def chunks_on(node: ServerProcess, tier: str = "shared") -> int:
     return int(node.stats()["tiers"][tier]["chunks"])
 
 
-@pytest.mark.parametrize("backend", ["fs", "fuse"])
+@pytest.mark.parametrize("backend", ["fs", "fuse", "s3"])
 def test_b_loads_from_the_shared_tier_what_a_stored(
         backend: str, nodes: tuple[ServerProcess, ...], engines: tuple[Any, Any],
         baseline: dict[str, Any], request: pytest.FixtureRequest, tmp_path: Path) -> None:
