@@ -8,5 +8,6 @@ from kvtier.tiers.base import LowerTier, Space, StoredChunk
 TIERS: Registry[LowerTier] = Registry("tier type")
 TIERS.register("disk", "kvtier.tiers.disk:DiskTier")
 TIERS.register("fs", "kvtier.tiers.fs:FsTier")
+TIERS.register("redis", "kvtier.tiers.redis:RedisTier", install_hint="pip install 'kvtier[shared]'")
 
 __all__ = ["TIERS", "LowerTier", "Space", "StoredChunk"]
