@@ -51,23 +51,20 @@ def _redis(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, A
 
 def throughput(backend: str, tier: dict[str, Any], sizes: list[int]
                ) -> tuple[list[Row], dict[str, float]]:
-    if backend == "s3":
-        from kvtier.bench.shared_s3 import s3_throughput
-
-        opts = tier["options"]
-        figures = s3_throughput(opts["endpoint_url"], tier["_credentials"], sizes=sizes)
-        prefix, client = "s3", "boto3"
-        names = ("tier_write_MBps", "boto3_put_MBps", "tier_read_MBps", "boto3_get_MBps")
-    else:
-        from kvtier.bench.shared_redis import bench_redis
+    if backend == "redis":
+        from kvtier.bench.shared_redis import bench_redis, rows
 
         figures = bench_redis(tier["options"]["url"], sizes=sizes)
-        prefix, client = "redis", "redis-py"
-        names = ("tier_write_MBps", "plain_set_MBps", "tier_read_MBps", "plain_get_MBps")
-    rows = []
+        return rows(figures, sizes), figures
+    from kvtier.bench.shared_s3 import s3_throughput
+
+    opts = tier["options"]
+    figures = s3_throughput(opts["endpoint_url"], tier["_credentials"], sizes=sizes)
+    out = []
     for size in sizes:
         tag = f"{size // MiB}mib" if size % MiB == 0 else f"{size // 1024}kib"
-        w, pw, r, pr = (figures.get(f"{prefix}_{n}_{tag}", 0.0) for n in names)
-        rows += [Row(f"{prefix} write {tag} MB/s", w, pw, f"{client} put"),
-                 Row(f"{prefix} read {tag} MB/s", r, pr, f"{client} get")]
-    return rows, {k: v for k, v in figures.items() if isinstance(v, int | float)}
+        out += [Row(f"s3 write {tag} MB/s", figures[f"s3_tier_write_MBps_{tag}"],
+                    figures[f"s3_boto3_put_MBps_{tag}"], "boto3 put_object"),
+                Row(f"s3 read {tag} MB/s", figures[f"s3_tier_read_MBps_{tag}"],
+                    figures[f"s3_boto3_get_MBps_{tag}"], "boto3 get_object")]
+    return out, figures

@@ -14,7 +14,7 @@ Keys (``P`` is ``options.key_prefix``, default ``kvtier:``; hex of fingerprints 
 A write or delete changes a chunk and its index entries in one MULTI/EXEC, so a reader or a
 listing sees both or neither. A GET refreshes Redis's own LRU clock; ``touch`` moves the index
 score (and the TTL with ``chunk_ttl_s``). Redis may evict or expire chunks itself
-(docs/shared-redis.md): the index then names chunks that are gone. A read of one is a miss, the
+(docs/shared.md): the index then names chunks that are gone. A read of one is a miss, the
 listing may still report it until :meth:`RedisTier.reconcile` (run by the sweeper through
 ``clean_stale_temps``) drops such entries in batches. An evicted index or note structure loses
 listings, never bytes: nothing here trusts the index for what a read returns.

@@ -10,7 +10,7 @@ same bytes.
 
 kvtier may leave the volume's total to Redis (``maxmemory`` with an ``allkeys-*`` policy, or a
 ``volatile-*`` one with ``chunk_ttl_s``), or keep it under its own budgets with ``noeviction``
-and room to spare; docs/shared-redis.md says how. Managed services often refuse ``CONFIG``:
+and room to spare; docs/shared.md says how. Managed services often refuse ``CONFIG``:
 then the settings are unknown and nothing is said.
 """
 

@@ -66,6 +66,11 @@ def shared_tier(backend: str, request: pytest.FixtureRequest, tmp_path: Path
                 "options": {"bucket": bucket.name, "endpoint_url": bucket.endpoint,
                             "tls": False, "credentials": f"file:{keys}", **SHARING}}
         return tier, tier
+    if backend == "redis":
+        server = request.getfixturevalue("redis_server")
+        tier = {"type": "redis", "name": "shared", "capacity_bytes": 1 << 30, "io_threads": 4,
+                "options": {"url": server.url, **SHARING}}
+        return tier, tier
     pytest.fail(f"backend {backend} is not wired yet")
 
 
@@ -73,7 +78,7 @@ def chunks_on(node: ServerProcess, tier: str = "shared") -> int:
     return int(node.stats()["tiers"][tier]["chunks"])
 
 
-@pytest.mark.parametrize("backend", ["fs", "fuse", "s3"])
+@pytest.mark.parametrize("backend", ["fs", "fuse", "s3", "redis"])
 def test_b_loads_from_the_shared_tier_what_a_stored(
         backend: str, nodes: tuple[ServerProcess, ...], engines: tuple[Any, Any],
         baseline: dict[str, Any], request: pytest.FixtureRequest, tmp_path: Path) -> None:
