@@ -609,9 +609,14 @@ class TieredStore:
                     "limited_by_filesystem": s.limited_by_filesystem,
                     "breaker": s.breaker.state.name.lower(),
                     "read_chunk_s": s.reads.chunk_s(now), "io_pending": s.pool.pending,
+                    "checksum_failures": self._count("kvtier_checksum_failures_total",
+                                                     tier=s.name),
                     **s.tier.describe()}
             return {"tiers": tiers, "leases": len(self.leases),
                     "reservations": len(self.reservations), "entries": len(self.index.entries)}
+
+    def _count(self, name: str, **labels: str) -> int:
+        return int(self.metrics.registry.get_sample_value(name, labels) or 0)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until no lower-tier write, delete or promotion is in flight. True if drained."""

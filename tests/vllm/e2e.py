@@ -42,9 +42,11 @@ PREEMPT = prompts([2800, 2800, 2800, 2800], seed=2)
 SHARED_1 = prompts([4000, 1500], seed=3)
 SHARED_2 = prompts([2600, 3300], seed=4)
 ABORTED = prompts([2000], seed=5)
-CROSS = {backend: prompts([2600, 1400], seed=10 + i)
-         for i, backend in enumerate(("fs", "fuse", "s3", "redis"))}
-"""Per shared backend: prompts stored by one node's engine and loaded by another's."""
+CROSS = {case: prompts([2600, 1400], seed=10 + i)
+         for i, case in enumerate(("fs", "fuse", "s3", "redis", "before_outage",
+                                   "during_outage", "after_outage", "corrupt", "killed",
+                                   "budget_a", "budget_b"))}
+"""Per shared backend or fault: prompts stored by one node's engine, loaded by another's."""
 
 
 @dataclass
