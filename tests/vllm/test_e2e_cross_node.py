@@ -159,6 +159,9 @@ def test_s3_stopped_mid_run_is_bypassed_and_comes_back(
 def test_a_corrupt_shared_object_is_a_miss_removed_and_counted(
         nodes: tuple[ServerProcess, ...], engines: tuple[Any, Any], baseline: dict[str, Any],
         tmp_path: Path) -> None:
+    from kvtier import codec
+    from kvtier.keys import ChunkKey
+
     tier = fs_tier(tmp_path / "shared")
     for node in nodes:
         node.restart(tiers=[tier])
@@ -171,9 +174,12 @@ def test_a_corrupt_shared_object_is_a_miss_removed_and_counted(
         f.write(b"\x5a" * 64)
     result = e2e.one_by_one(engines[1], prompts)
     assert result.tokens == baseline["CROSS_corrupt"], "never a wrong block"
-    assert not victim.exists(), "removed from the shared volume"
     assert nodes[1].stats()["tiers"]["shared"]["checksum_failures"] == 1
     assert sum(int(acct.get("failed_load_tokens", 0)) for acct in result.kvtier) > 0
+    # Removed, then written again whole by B, which recomputed it and stored it.
+    assert wait_for(lambda: victim.exists())
+    key = ChunkKey(bytes.fromhex(victim.name.removesuffix(".kvc")))
+    codec.verify(memoryview(victim.read_bytes()), key)
 
 
 def test_a_writer_killed_mid_upload_leaves_nothing_partial(
