@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -107,7 +108,7 @@ def test_outage_stop_pause_and_restart_keep_the_data(
     assert time.monotonic() - started < 2, "a stopped server refuses connections at once"
 
     weed.start()
-    assert s3.get_object(Bucket="outage", Key="k")["Body"].read() == b"kept"
+    assert eventually_get(s3, "outage", "k") == b"kept"
 
     weed.pause()
     started = time.monotonic()
@@ -115,7 +116,20 @@ def test_outage_stop_pause_and_restart_keep_the_data(
         s3.get_object(Bucket="outage", Key="k")
     assert time.monotonic() - started < 5, "a hung server costs the client its timeout"
     weed.resume()
-    assert s3.get_object(Bucket="outage", Key="k")["Body"].read() == b"kept"
+    assert eventually_get(s3, "outage", "k") == b"kept"
+
+
+def eventually_get(s3: Any, bucket: str, key: str, timeout_s: float = 20.0) -> bytes:
+    """The object, once the restarted server serves it: its S3 gateway answers a moment
+    before its volume server does (InternalError meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return bytes(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        except ClientError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def test_close_leaves_no_process_socket_or_folder(
