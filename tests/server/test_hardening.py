@@ -78,7 +78,6 @@ def test_clients_that_stall_mid_message_are_cut_off(make_server: MakeServer) -> 
             sock.sendall(frame[: 2 + i % 20])  # half a length prefix, or half a body
         # i % 3 == 0: never even says hello
         stallers.append(sock)
-    assert wait_until(lambda: sample(server, "kvtier_clients") == 50, 10.0)
     assert wait_until(lambda: sample(server, "kvtier_clients") == 0, 15.0), \
         "every stalled client was disconnected"
     for sock in stallers:
