@@ -16,15 +16,20 @@ from kvtier.vllm.shared_spec import shared_tier
 from kvtier.vllm.summary import say
 
 BUCKET = "kvtier"
+_PROBE = {"s3": "s3://kvtier", "redis": "redis://127.0.0.1:6379/0"}
+
+
+def check_local_shared(kind: str) -> None:
+    """Fail before anything starts if this kvtier lacks the tier ``kind`` serves."""
+    if kind not in _PROBE:
+        raise ConfigError(f"--shared-local: expected s3 or redis, got {kind!r}")
+    shared_tier(_PROBE[kind], 1)
 
 
 def start_local_shared(kind: str, run_dir: Path, services: ExitStack
                        ) -> tuple[str, dict[str, str]]:
     """(SPEC, environment) for the instances; the service is registered in ``services``."""
-    spec_type = {"s3": "s3://b", "redis": "redis://127.0.0.1:1/0"}.get(kind)
-    if spec_type is None:
-        raise ConfigError(f"--shared-local: expected s3 or redis, got {kind!r}")
-    shared_tier(spec_type, 1)  # this kvtier has the tier type, before anything starts
+    check_local_shared(kind)
     if kind == "s3":
         from kvtier.services import SeaweedFS
 

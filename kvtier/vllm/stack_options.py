@@ -96,6 +96,10 @@ class StackOptions:
             verify=bool(args.verify))
         if options.shared_local is None:
             options.shared_tier()  # a bad --shared fails before anything starts
+        else:
+            from kvtier.vllm.local_shared import check_local_shared
+
+            check_local_shared(options.shared_local)
         return options
 
     def shared_tier(self, spec: str | None = None) -> dict[str, Any] | None:

@@ -9,11 +9,9 @@ restart and a log that dropped events take back everything and announce again wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from rig import BLOCK, CHUNK, FakeEngine, block_hashes
 from store_helpers import tier_config
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
@@ -34,16 +32,10 @@ def tiers(root: Path) -> list[dict[str, Any]]:
     return [tier_config(root, 1 << 20), shared]
 
 
-@pytest.fixture
-def feeds() -> Iterator[list[KvEventFeed]]:
-    made: list[KvEventFeed] = []
-    yield made
-
-
-def engine_with_feed(server: NodeServer, made: list[KvEventFeed], **kw: Any) -> FakeEngine:
+def engine_with_feed(server: NodeServer, **kw: Any) -> FakeEngine:
+    """A rig engine whose scheduler side feeds a KvEventFeed polled on every take()."""
     def feed(link: ServerLink) -> KvEventFeed:
-        made.append(KvEventFeed(link, namespace_fp(), BLOCK, CHUNK, interval_s=0.0, **kw))
-        return made[-1]
+        return KvEventFeed(link, namespace_fp(), BLOCK, CHUNK, interval_s=0.0, **kw)
 
     return FakeEngine(server.socket_path, feed=feed)
 
@@ -76,9 +68,9 @@ def run_prompt(engine: FakeEngine, server: NodeServer, tokens: list[int]) -> Non
 
 
 def test_a_stored_prompt_is_announced_per_tier_with_vllm_block_hashes(
-        make_server: Any, feeds: list[KvEventFeed], tmp_path: Path) -> None:
+        make_server: Any, tmp_path: Path) -> None:
     server = make_server(slots=8, tiers=tiers(tmp_path))
-    engine = engine_with_feed(server, feeds)
+    engine = engine_with_feed(server)
     run_prompt(engine, server, PROMPT)
     assert engine.events is not None
     events = engine.events.take()
@@ -99,9 +91,9 @@ def test_a_stored_prompt_is_announced_per_tier_with_vllm_block_hashes(
 
 
 def test_pushed_out_of_the_arena_is_taken_back_and_a_load_announces_it_again(
-        make_server: Any, feeds: list[KvEventFeed], tmp_path: Path) -> None:
+        make_server: Any, tmp_path: Path) -> None:
     server = make_server(slots=4, disk_bytes=1 << 20)
-    engine = engine_with_feed(server, feeds)
+    engine = engine_with_feed(server)
     assert engine.events is not None
     run_prompt(engine, server, PROMPT)
     engine.events.take()
@@ -120,9 +112,9 @@ def test_pushed_out_of_the_arena_is_taken_back_and_a_load_announces_it_again(
 
 
 def test_a_restarted_server_takes_back_everything_and_announces_what_is_held(
-        make_server: Any, feeds: list[KvEventFeed], tmp_path: Path) -> None:
+        make_server: Any, tmp_path: Path) -> None:
     server = make_server(slots=8, disk_bytes=1 << 20)
-    engine = engine_with_feed(server, feeds)
+    engine = engine_with_feed(server)
     assert engine.events is not None
     run_prompt(engine, server, PROMPT)
     engine.events.take()
@@ -139,11 +131,11 @@ def test_a_restarted_server_takes_back_everything_and_announces_what_is_held(
 
 
 def test_a_log_that_dropped_unread_events_takes_back_everything(
-        make_server: Any, feeds: list[KvEventFeed], tmp_path: Path) -> None:
+        make_server: Any, tmp_path: Path) -> None:
     from collections import deque
 
     server = make_server(slots=16)
-    engine = engine_with_feed(server, feeds)
+    engine = engine_with_feed(server)
     assert engine.events is not None and server.store is not None
     run_prompt(engine, server, PROMPT)
     assert len(stored(engine.events.take(), "CPU")) == 3
@@ -162,9 +154,9 @@ def test_a_log_that_dropped_unread_events_takes_back_everything(
 
 
 def test_the_book_is_bounded_and_unknown_chunks_are_counted(
-        make_server: Any, feeds: list[KvEventFeed], tmp_path: Path) -> None:
+        make_server: Any, tmp_path: Path) -> None:
     server = make_server(slots=16)
-    engine = engine_with_feed(server, feeds, capacity=2)
+    engine = engine_with_feed(server, capacity=2)
     assert engine.events is not None
     run_prompt(engine, server, PROMPT)
     events = engine.events.take()

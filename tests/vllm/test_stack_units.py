@@ -74,9 +74,12 @@ def test_a_tier_type_this_kvtier_lacks_is_named(kind: str) -> None:
     spec = "s3://bucket/p" if kind == "s3" else "redis://127.0.0.1:6379/0"
     if kind in TIERS:
         assert shared_tier(spec, GiB)["type"] == kind  # type: ignore[index]
+        assert options("--shared-local", kind).shared_local == kind
     else:
         with pytest.raises(ConfigError, match=f"no '{kind}' tier"):
             shared_tier(spec, GiB)
+        with pytest.raises(ConfigError, match=f"no '{kind}' tier"):
+            options("--shared-local", kind)
 
 
 # ---------------------------------------------------------------------- options
