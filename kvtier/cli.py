@@ -1,4 +1,4 @@
-"""``kvtier`` command line: serve | server | bench | trace | plan.
+"""``kvtier`` command line: serve | server | verify | bench | trace | plan.
 
 Each subcommand lives with its package and exposes ``register(subparsers)``; modules whose
 optional dependencies are missing (vLLM for ``serve`` and ``bench ttft``) are reported when
@@ -23,6 +23,7 @@ _PLUGINS = {
     "trace": "kvtier.trace.cli",
     "plan": "kvtier.plan.cli",
     "admin": "kvtier.admin",
+    "verify": "kvtier.verify.cli",
 }
 _BENCH_PLUGINS = {
     "gpu": "kvtier.bench.gpu",
@@ -47,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in _PLUGINS.items():
         _register(sub, name, module)
     return parser
+
+
+def has_command(name: str) -> bool:
+    """Whether this kvtier has the subcommand ``name`` (and its module imports)."""
+    module = _PLUGINS.get(name)
+    if module is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _register(sub: argparse._SubParsersAction, name: str, module: str) -> None:

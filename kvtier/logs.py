@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from typing import IO
 
 
 class JsonFormatter(logging.Formatter):
@@ -22,8 +23,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc)
 
 
-def setup(level: str = "info", fmt: str = "json") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def setup(level: str = "info", fmt: str = "json", stream: IO[str] | None = None) -> None:
+    """kvtier's log lines to ``stream`` (default: stderr)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -12,6 +12,15 @@ commands, as run (about 3 minutes the first time)::
                                                                  # the CPU torch build
 On a machine without the CPU torch wheel in its pip configuration, add PyTorch's CPU index
 (``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu``).
+
+vLLM's router (PyPI ``vllm-router``, a Rust binary in a wheel; it needs no GPU) the same way:
+``ensure_vllm_router()`` creates ``~/.cache/kvtier/peers/vllm-router-venv`` once (seconds)::
+
+    python -m venv ~/.cache/kvtier/peers/vllm-router-venv
+    .../bin/pip install vllm-router==0.1.17
+
+``kvtier serve --instances N --router vllm-router`` puts it in front of the instances; the
+routing benchmark uses it as the peer.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from kvtier.errors import BackendUnavailableError
 
 log = logging.getLogger("kvtier.bench.peers")
 LMCACHE_VERSION = "0.5.6"
+VLLM_ROUTER_VERSION = "0.1.17"
 MARKER = ".kvtier-peer.json"
 INSTALL_TIMEOUT_S = 1800
 
@@ -67,25 +77,48 @@ def install_commands(venv: Path) -> list[list[str]]:
 def ensure_lmcache(venv: Path | None = None, log_file: Path | None = None) -> Path:
     """The LMCache venv's python, installing it first if it is missing or stale."""
     venv = venv or peers_dir() / "lmcache-venv"
-    wanted = {"pins": engine_pins(), "lmcache": LMCACHE_VERSION}
+    _ensure_venv(venv, {"pins": engine_pins(), "lmcache": LMCACHE_VERSION},
+                 install_commands(venv), lmcache_python(venv), f"LMCache {LMCACHE_VERSION}",
+                 log_file)
+    return lmcache_python(venv)
+
+
+def vllm_router_binary(venv: Path | None = None) -> Path:
+    return (venv or peers_dir() / "vllm-router-venv") / "bin" / "vllm-router"
+
+
+def ensure_vllm_router(venv: Path | None = None, log_file: Path | None = None) -> Path:
+    """The ``vllm-router`` executable of its own venv, installing it first if needed."""
+    venv = venv or peers_dir() / "vllm-router-venv"
+    commands = [[sys.executable, "-m", "venv", str(venv)],
+                [str(venv / "bin" / "pip"), "install", "-q",
+                 f"vllm-router=={VLLM_ROUTER_VERSION}"]]
+    _ensure_venv(venv, {"vllm-router": VLLM_ROUTER_VERSION}, commands,
+                 vllm_router_binary(venv), f"vllm-router {VLLM_ROUTER_VERSION}", log_file)
+    return vllm_router_binary(venv)
+
+
+def _ensure_venv(venv: Path, wanted: dict[str, object], commands: list[list[str]],
+                 product: Path, what: str, log_file: Path | None) -> None:
+    """Run ``commands`` unless the marker in ``venv`` records ``wanted`` and ``product``
+    exists. A failing ``pip uninstall`` is fine (nothing to remove)."""
     marker = venv / MARKER
     try:
-        if json.loads(marker.read_text()) == wanted and lmcache_python(venv).exists():
-            return lmcache_python(venv)
+        if json.loads(marker.read_text()) == wanted and product.exists():
+            return
     except (OSError, ValueError):
         pass
-    log.warning("installing LMCache %s into %s (a few minutes, once)", LMCACHE_VERSION, venv)
+    log.warning("installing %s into %s (once)", what, venv)
     venv.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
     try:
-        for cmd in install_commands(venv):
+        for cmd in commands:
             rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 timeout=INSTALL_TIMEOUT_S).returncode
             if rc != 0 and "uninstall" not in cmd:
-                raise BackendUnavailableError(f"installing LMCache failed ({' '.join(cmd)} "
+                raise BackendUnavailableError(f"installing {what} failed ({' '.join(cmd)} "
                                               f"exited {rc}); see {log_file or 'its output'}")
     finally:
         if log_file:
             out.close()  # type: ignore[union-attr]
     marker.write_text(json.dumps(wanted))
-    return lmcache_python(venv)

@@ -234,7 +234,8 @@ def _kvtier(env: StackEnv, port: int, disk: bool) -> list[str]:
     argv = [env.python, "-m", "kvtier", "serve", "--model", env.model, "--port", str(port),
             "--host", "127.0.0.1", "--served-model-name", env.served_name,
             "--arena-size", str(env.arena_bytes), "--chunk-tokens", str(env.chunk_tokens),
-            "--socket-path", str(env.workdir / "kvtier.sock"), "--enable-prefix-caching"]
+            "--socket-path", str(env.workdir / "kvtier.sock"), "--enable-prefix-caching",
+            "--log-file", "-"]  # vLLM's output into this stack's log, as for the others
     if disk:
         argv += ["--disk-path", str(env.workdir / "disk"), "--disk-size", str(env.disk_bytes)]
     else:

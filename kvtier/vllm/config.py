@@ -67,6 +67,11 @@ class ConnectorConfig(ConfigStruct, frozen=True):
     """This engine's prefill speed for that decision; 0 measures it from its own steps."""
     model_id: str | None = None
     """Overrides the model identity in chunk keys (e.g. the same checkpoint at two paths)."""
+    kv_events_interval_s: float = 0.5
+    """With vLLM's ``kv_events_config`` on: how often the scheduler side reads the server's
+    store events into vLLM's KV-event stream (also at once after it stored or leased)."""
+    kv_events_chunks: int = 16384
+    """Chunks whose vLLM block hashes the scheduler side remembers for those events."""
     faults: FaultConfig = msgspec.field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
@@ -80,6 +85,10 @@ class ConnectorConfig(ConfigStruct, frozen=True):
         for name in ("load_timeout_s", "client_timeout_s", "retry_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.kv_events_interval_s < 0:
+            raise ConfigError("kv_events_interval_s must be >= 0")
+        if self.kv_events_chunks < 1:
+            raise ConfigError("kv_events_chunks must be a positive integer")
         if self.prefill_tokens_per_s < 0:
             raise ConfigError("prefill_tokens_per_s must be >= 0 (0: measured)")
         if self.server is not None:

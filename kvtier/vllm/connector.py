@@ -10,7 +10,7 @@ objects and delegates: :class:`~kvtier.vllm.scheduler.SchedulerSide` plans loads
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +28,7 @@ from kvtier.codec import HEADER_SIZE, align_up
 from kvtier.vllm import identity
 from kvtier.vllm.config import ConnectorConfig, RequestOptions
 from kvtier.vllm.fencing import Reuse
+from kvtier.vllm.kv_events import KvEventFeed
 from kvtier.vllm.link import ServerLink
 from kvtier.vllm.metadata import StepPlan, WorkerReport
 from kvtier.vllm.scheduler import ScheduledReq, SchedulerSide, StepView
@@ -37,6 +38,7 @@ from kvtier.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -85,6 +87,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.layout, self.block_size = identity.payload_layout(
             vllm_config, kv_cache_config, self.cfg.chunk_tokens)
         self._server: Any = None
+        self._events: KvEventFeed | None = None
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -105,10 +108,25 @@ class KvtierConnector(KVConnectorBase_V1):
         log.info("kvtier connector (scheduler) on %s, namespace %s, chunk %d tokens = %d bytes",
                  self.cfg.socket_path, ns.short, self.cfg.chunk_tokens, self.layout.payload_len)
         _check_server(client, self.layout.payload_len)
+        self._events = self._make_event_feed(link, ns.fingerprint)
         side = SchedulerSide(self.cfg, ns, self.layout, self.block_size, link,
-                             info=_namespace_info(self._vllm_config))
+                             info=_namespace_info(self._vllm_config),
+                             chunks_seen=self._events.chunks_seen if self._events else None)
         side.register()
         return side
+
+    def _make_event_feed(self, link: ServerLink, namespace_fp: bytes) -> KvEventFeed | None:
+        """kvtier's tiers in vLLM's KV-event stream, when vLLM publishes one."""
+        events = self._vllm_config.kv_events_config
+        if events is None or not events.enable_kv_cache_events:
+            return None
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+        groups = self._kv_cache_config.kv_cache_groups
+        kind = get_kv_cache_spec_kind(groups[0].kv_cache_spec).value if groups else None
+        return KvEventFeed(link, namespace_fp, self.block_size, self.cfg.chunk_tokens,
+                           interval_s=self.cfg.kv_events_interval_s,
+                           capacity=self.cfg.kv_events_chunks, spec_kind=kind)
 
     def _make_worker_side(self) -> WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -136,11 +154,13 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         self.sched.track(_request_info(request))
+        if self._events is not None:
+            self._events.track(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         if not self.sched.tracks(request.request_id):  # normally on_new_request did it
-            self.sched.track(_request_info(request))
+            self.on_new_request(request)
         n = self.sched.num_new_matched_tokens(request.request_id, num_computed_tokens)
         return n, n > 0
 
@@ -170,6 +190,8 @@ class KvtierConnector(KVConnectorBase_V1):
         # Stores read their blocks within the step (CPU), or finish before a forward that
         # reuses the blocks (CUDA: handle_preemptions flushes them), so vLLM may free the
         # blocks right away.
+        if self._events is not None:
+            self._events.untrack(request.request_id)
         return False, self.sched.request_finished(request.request_id)
 
     def has_pending_push_work(self) -> bool:
@@ -183,7 +205,14 @@ class KvtierConnector(KVConnectorBase_V1):
         sched.ns = identity.namespace(self._vllm_config, self._kv_cache_config,
                                       self.cfg.chunk_tokens, self.cfg.model_id, generation)
         sched.reset_keys()
+        if self._events is not None:
+            self._events.renamespace(sched.ns.fingerprint)
         return True
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        # vLLM calls this once per step, after update_connector_output (so after this
+        # step's commits); the feed reads the server's event log only when due.
+        return self._events.take() if self._events is not None else ()
 
     # ------------------------------------------------------------------ worker side
 

@@ -53,6 +53,8 @@ from kvtier.vllm.tracking import (
     RequestInfo,
 )
 
+ChunksSeen = Callable[[str, int, list[ChunkKey]], None]
+"""(request id, index of the first chunk, keys): chunks a request stores or loads."""
 REPORT_EVERY_S = 1.0
 """How often the scheduler side adds its counters to the node server's /metrics."""
 
@@ -85,7 +87,8 @@ class SchedulerSide:
     def __init__(self, config: ConnectorConfig, namespace: Namespace, layout: PayloadLayout,
                  block_size: int, link: ServerLink,
                  clock: Callable[[], float] = time.monotonic,
-                 info: dict[str, str | int] | None = None) -> None:
+                 info: dict[str, str | int] | None = None,
+                 chunks_seen: ChunksSeen | None = None) -> None:
         self.cfg = config
         self.ns = namespace
         self.layout = layout
@@ -105,6 +108,8 @@ class SchedulerSide:
                      "block_size": block_size, **(info or {})}
         """What the node server is told about this namespace (Register)."""
         self._registered: str | None = None
+        self.chunks_seen = chunks_seen
+        """Told which chunks of a request are stored or leased (the KV-event feed)."""
 
     # ------------------------------------------------------------------ admission
 
@@ -192,6 +197,8 @@ class SchedulerSide:
         if not plan.tiers:
             return None
         keys = self._keys(st)[plan.start_chunk : plan.start_chunk + len(plan.tiers)]
+        if self.chunks_seen is not None:
+            self.chunks_seen(st.req_id, plan.start_chunk, keys)
         lease = self.link.call(Lease(keys), None)
         for tier in (lease.tiers if lease else []):
             self.counters.add("hit_tokens", self.chunk_tokens, tier)
@@ -298,6 +305,8 @@ class SchedulerSide:
         if end <= start:
             return []
         keys = self._keys(st)[start:end]
+        if self.chunks_seen is not None:
+            self.chunks_seen(st.req_id, start, keys)
         reply = self.link.call(Reserve(self.ns.fingerprint, keys, self.layout.payload_len,
                                        self.chunk_tokens, self._priority(st), start), None)
         slots = reply.slots if reply is not None else [None] * len(keys)

@@ -4,6 +4,8 @@
 
     kvtier serve                                  # demo model, host-RAM + disk tiers
     kvtier serve --model /models/llama --arena-size 8GiB --port 8001 --max-model-len 32768
+    kvtier serve --instances 2                    # the stack: 2 instances, a shared tier,
+                                                  # a router in front (kvtier.vllm.stack)
 
 Options kvtier does not know are handed to vLLM unchanged (``--port``, ``--max-model-len``,
 ``--tensor-parallel-size``, ...; anything after ``--`` too). This process hosts the node
@@ -19,15 +21,11 @@ vllm.entrypoints.openai.api_server``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import logging
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,11 +34,10 @@ from typing import Any
 
 import yaml
 
-from kvtier import logs
 from kvtier.config import ServerConfig, parse_size, runtime_dir
 from kvtier.errors import ConfigError
 from kvtier.vllm.config import ConnectorConfig
-from kvtier.vllm.sizing import estimate_payload_len
+from kvtier.vllm.sizing import estimate_payload_len, flag_value
 
 log = logging.getLogger("kvtier.serve")
 
@@ -72,8 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     arena, disk = default_sizes()
     p.add_argument("--model", help="model directory or name (default: the demo model, built "
                    "under ~/.cache/kvtier/demo-model on first use)")
-    p.add_argument("--arena-size", default=f"{arena // MiB}MiB",
-                   help="host-RAM tier size (default: %(default)s, 1/8 of this machine's RAM)")
+    p.add_argument("--arena-size",
+                   help=f"host-RAM tier size (default: {arena // MiB}MiB, 1/8 of this "
+                   "machine's RAM; with --instances N, 1/N of that each)")
     p.add_argument("--disk-path", default=str(default_disk_path()),
                    help="disk tier folder (default: %(default)s)")
     p.add_argument("--disk-size", default=f"{disk // GiB}GiB",
@@ -96,6 +94,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo-request", action="store_true",
                    help="once vLLM is up, send a long prompt twice (vLLM's prefix cache reset "
                    "in between), print where its tokens came from, and stop")
+    p.add_argument("--log-file", metavar="PATH",
+                   help="where vLLM's output and kvtier's log lines go ('-': the terminal; "
+                   "default: ~/.cache/kvtier/logs/serve-PORT.log)")
+    from kvtier.vllm.stack_options import add_stack_arguments
+
+    add_stack_arguments(p)
     p.set_defaults(func=run, vllm_args=[])
 
 
@@ -104,9 +108,18 @@ class ServePlan:
     cmd: list[str]
     server: ServerConfig | None
     """The node server this process hosts (None: attach to one, or vLLM embeds it)."""
+    model: str = ""
+    base_url: str = "http://127.0.0.1:8000"
+    log_file: Path | None = None
+    """Where vLLM's output goes (None: the terminal)."""
+    socket_path: str = ""
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.instances is not None:
+        from kvtier.vllm.stack import run_stack
+
+        return run_stack(args)
     try:
         plan = build_plan(args)
     except ConfigError as exc:
@@ -115,22 +128,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(plan.cmd))
         return 0
-    logs.setup("info", "text")
-    server = None
-    if plan.server is not None:
-        from kvtier.server import EmbeddedServer
+    from kvtier.vllm.serve_one import serve_one
 
-        server = EmbeddedServer(plan.server)
-        server.start()
-    try:
-        if args.demo_request:
-            from kvtier.vllm.demo_request import run_demo
-
-            return run_demo(plan.cmd, dict(os.environ), args.vllm_args, _die_with_parent)
-        return _run_child(plan.cmd)
-    finally:
-        if server is not None:
-            server.stop()  # frees the arena however vLLM ended
+    return serve_one(plan, args.demo_request)
 
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
@@ -164,28 +164,29 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
            "--kv-transfer-config", json.dumps(transfer)]
     if args.model is None:
         cmd += _demo_defaults(vllm_args)
-    return ServePlan(cmd + vllm_args, server)
+    if not _given(vllm_args, "--enable-prompt-tokens-details"):
+        # usage.prompt_tokens_details.cached_tokens: vLLM counts device and kvtier hits
+        cmd += ["--enable-prompt-tokens-details"]
+    socket_path = str(extra.get("server_socket") or extra["server"]["socket_path"])
+    return ServePlan(cmd + vllm_args, server, model, _base_url(vllm_args),
+                     _log_path(args.log_file, vllm_args), socket_path)
 
 
-def _run_child(cmd: list[str]) -> int:
-    """Run vLLM, pass SIGINT/SIGTERM on to it, return its exit status."""
-    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    rc = child.wait()
-    return rc if rc >= 0 else 128 - rc
+def _base_url(vllm_args: Sequence[str]) -> str:
+    port = flag_value(vllm_args, "--port") or "8000"
+    host = flag_value(vllm_args, "--host") or "127.0.0.1"
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
-def _die_with_parent() -> None:
-    # If this process is killed outright, vLLM must not live on without its cache server.
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _log_path(value: str | None, vllm_args: Sequence[str]) -> Path | None:
+    if value == "-":
+        return None
+    if value:
+        return Path(value).expanduser()
+    from kvtier.demo.model import default_cache_dir
+
+    port = flag_value(vllm_args, "--port") or "8000"
+    return default_cache_dir() / "logs" / f"serve-{port}.log"
 
 
 def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,7 +198,8 @@ def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(server, dict):
             raise ConfigError(f"{args.server_config}: expected a mapping")
     else:
-        server = {"arena": {"size_bytes": parse_size(args.arena_size, "--arena-size")}}
+        size = args.arena_size or f"{default_sizes()[0] // MiB}MiB"
+        server = {"arena": {"size_bytes": parse_size(size, "--arena-size")}}
         if not args.no_disk:
             server["tiers"] = [{
                 "type": "disk", "capacity_bytes": parse_size(args.disk_size, "--disk-size"),
@@ -230,13 +232,13 @@ def _demo_defaults(vllm_args: Sequence[str]) -> list[str]:
                                               "--compilation-config")):
         out += ["--enforce-eager"]  # compiling this tiny model costs more than it saves
     memory_flags = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
-    if (_is_cpu_build() and not any(_given(vllm_args, f) for f in memory_flags)
+    if (is_cpu_build() and not any(_given(vllm_args, f) for f in memory_flags)
             and "VLLM_CPU_KVCACHE_SPACE" not in os.environ):
         out += ["--kv-cache-memory-bytes", str(GiB)]
     return out
 
 
-def _is_cpu_build() -> bool:
+def is_cpu_build() -> bool:
     from importlib import metadata
 
     try:

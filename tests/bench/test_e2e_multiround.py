@@ -44,7 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, demo_model: str) -> Iterato
            "128MiB", "--disk-path", str(root / "disk"), "--disk-size", "1GiB",
            "--socket-path", str(root / "kvtier.sock"), "--dtype", "float32",
            "--max-model-len", "4096", "--num-gpu-blocks-override", "40",
-           "--enable-prompt-tokens-details"]
+           "--enable-prompt-tokens-details", "--log-file", "-"]
     log = root / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -22,6 +22,7 @@ from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier.vllm.config import ConnectorConfig, FaultConfig, RequestOptions
 from kvtier.vllm.fencing import Reuse
+from kvtier.vllm.kv_events import KvEventFeed
 from kvtier.vllm.lanes import Lane
 from kvtier.vllm.link import ServerLink
 from kvtier.vllm.metadata import PayloadLayout, StepPlan, WorkerReport
@@ -45,6 +46,30 @@ def namespace(tp: int = 1, model: str = "rig") -> Namespace:
     return Namespace(model=model, model_digest="0", dtype="uint8", num_layers=LAYERS,
                      num_kv_heads=1, head_dim=PAGE, block_size=BLOCK, kv_layout="rig",
                      chunk_tokens=CHUNK, tp_size=tp)
+
+
+@dataclass(frozen=True)
+class RigRequest:
+    """What :class:`KvEventFeed` reads of vLLM's ``Request``."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    all_token_ids: list[int]
+    lora_request: None = None
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    """A chained hash per full block, as vLLM computes ``request.block_hashes``."""
+    out: list[bytes] = []
+    parent = b"root"
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        parent = hashlib.sha256(parent + repr(tokens[start:start + BLOCK]).encode()).digest()
+        out.append(parent)
+    return out
+
+
+def rig_request(req_id: str, tokens: list[int]) -> RigRequest:
+    return RigRequest(req_id, block_hashes(tokens), list(tokens))
 
 
 def block_pattern(tokens: tuple[int, ...], block: int, layer: int, rank: int) -> np.ndarray:
@@ -71,6 +96,9 @@ class FakeEngine:
     load_or_recompute: bool = True
     lane: Callable[[], Lane] | None = None
     """Run the workers' staged (CUDA) copier on this lane instead of the CPU copier."""
+    feed: Callable[[ServerLink], KvEventFeed] | None = None
+    """Publish KV events through the feed this makes (see :func:`rig_request`)."""
+    events: KvEventFeed | None = field(init=False, default=None)
     sched: SchedulerSide = field(init=False)
     workers: list[WorkerSide] = field(init=False)
     caches: list[dict[str, torch.Tensor]] = field(init=False)
@@ -86,8 +114,10 @@ class FakeEngine:
                               load_or_recompute=self.load_or_recompute,
                               faults=FaultConfig(hold_loads_s=self.hold_loads_s))
         client = KvtierClient(self.socket, name="rig-scheduler", timeout_s=2.0)
-        self.sched = SchedulerSide(cfg, namespace(self.tp), layout(self.tp), BLOCK,
-                                   ServerLink(client, cfg.retry_interval_s))
+        link = ServerLink(client, cfg.retry_interval_s)
+        self.events = self.feed(link) if self.feed is not None else None
+        self.sched = SchedulerSide(cfg, namespace(self.tp), layout(self.tp), BLOCK, link,
+                                   chunks_seen=self.events.chunks_seen if self.events else None)
         self.caches, self.workers = [], []
         for rank in range(self.tp):
             cache = {f"model.layers.{i}.attn": torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.uint8)
@@ -106,6 +136,8 @@ class FakeEngine:
         req_id = f"req-{next(_ids)}"
         info = RequestInfo(req_id, tuple(tokens), (f"salt:{salt}",) if salt else (),
                            RequestOptions(**options))
+        if self.events is not None:
+            self.events.track(rig_request(req_id, tokens))
         self.sched.track(info)
         n = self.sched.num_new_matched_tokens(req_id, local_blocks * BLOCK)
         assert n == self.sched.num_new_matched_tokens(req_id, local_blocks * BLOCK)
@@ -181,6 +213,8 @@ class FakeEngine:
     def finish(self, req_id: str) -> dict[str, Any]:
         """End the request; returns its ``kv_transfer_params["kvtier"]`` accounting."""
         params = self.sched.request_finished(req_id)
+        if self.events is not None:
+            self.events.untrack(req_id)
         req = self.reqs.pop(req_id)
         self.free += req.blocks
         assert params is not None, f"{req_id} was never admitted"

@@ -13,6 +13,15 @@ from kvtier.vllm.config import ConnectorConfig, RequestOptions
 from kvtier.vllm.sizing import estimate_payload_len, flag_value
 
 
+def test_kv_event_options_are_checked() -> None:
+    cfg = ConnectorConfig.from_extra_config({"server_socket": "/s"})
+    assert (cfg.kv_events_interval_s, cfg.kv_events_chunks) == (0.5, 16384)
+    with pytest.raises(ConfigError, match="kv_events_chunks"):
+        ConnectorConfig.from_extra_config({"server_socket": "/s", "kv_events_chunks": 0})
+    with pytest.raises(ConfigError, match="kv_events_interval_s"):
+        ConnectorConfig.from_extra_config({"server_socket": "/s", "kv_events_interval_s": -1})
+
+
 def test_config_needs_exactly_one_way_to_the_server() -> None:
     with pytest.raises(ConfigError, match="exactly one"):
         ConnectorConfig.from_extra_config({})
@@ -103,6 +112,12 @@ def test_serve_passes_unknown_options_to_vllm(tmp_path: Path) -> None:
     assert transfer["kv_connector_extra_config"]["server_socket"] == plan.server.socket_path
     assert plan.server.arena.slot_bytes == 4096 + 2 * 2 * 2 * 32 * 256 * 4
     assert plan.server.tiers[0].options["path"] == str(tmp_path / "d")
+    assert "--enable-prompt-tokens-details" in plan.cmd  # cached_tokens for OpenAI clients
+    assert plan.base_url == "http://127.0.0.1:8123"
+    assert plan.log_file is not None and plan.log_file.name == "serve-8123.log"
+    quiet = build_plan(parser.parse_args(["serve", "--model", str(model), "--log-file", "-",
+                                          "--enable-prompt-tokens-details"]))
+    assert quiet.log_file is None and quiet.cmd.count("--enable-prompt-tokens-details") == 1
     with pytest.raises(ConfigError, match="kv-transfer-config"):
         build_plan(parser.parse_args(["serve", "--model", str(model),
                                       "--kv-transfer-config", "{}"]))

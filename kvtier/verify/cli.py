@@ -1,0 +1,64 @@
+"""``kvtier verify --url URL [--kvtier-servers URL,URL] [--backends URL,URL]``, or
+``kvtier verify --stack stack.json`` for a stack ``kvtier serve --instances N`` runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtier.verify.run import VerifyOptions, api_key_from_env, verify
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", help="check a tiered stack through its entry point (the seed's five steps)",
+        description="Send a long-prefix request through URL, check that its chunks reach the "
+        "shared tier, that a similar request is served from cache and faster, and that "
+        "another instance serves it from the shared tier. Exit status 0 only if all pass.")
+    p.add_argument("--url", help="the OpenAI-compatible entry point (router or instance)")
+    p.add_argument("--stack", metavar="FILE", help="stack.json of `kvtier serve --instances "
+                   "N` (gives --url, --kvtier-servers, --backends, --shared-path)")
+    p.add_argument("--kvtier-servers", metavar="URL,URL", default="",
+                   help="the instances' node-server HTTP APIs (metrics_port)")
+    p.add_argument("--backends", metavar="URL,URL", default="",
+                   help="the instances' own URLs, in the same order (tells who served)")
+    p.add_argument("--shared-path", metavar="DIR", help="an fs shared tier's folder: count "
+                   "its chunk files")
+    p.add_argument("--model", help="model name (default: the first the entry point lists)")
+    p.add_argument("--api-key", help="bearer key (default: $OPENAI_API_KEY or $VLLM_API_KEY)")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--prefix-chars", type=int, default=12000,
+                   help="length of the long prefix in characters (default: %(default)s)")
+    p.add_argument("--attempts", type=int, default=4,
+                   help="requests sent to reach another instance (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {
+        "api_key": args.api_key or api_key_from_env(), "api": args.api,
+        "prefix_chars": args.prefix_chars, "attempts": args.attempts, "model": args.model}
+    if args.url:
+        overrides["url"] = args.url.rstrip("/")
+    for name in ("kvtier_servers", "backends"):
+        value = getattr(args, name)
+        if value:
+            overrides[name] = tuple(u.strip().rstrip("/") for u in value.split(",") if u)
+    if args.shared_path:
+        overrides["shared_path"] = Path(args.shared_path).expanduser()
+    if args.stack:
+        try:
+            state = json.loads(Path(args.stack).expanduser().read_text())
+        except (OSError, ValueError) as exc:
+            print(f"kvtier verify: cannot read {args.stack}: {exc}", file=sys.stderr)
+            return 2
+        options = VerifyOptions.from_stack(state, **overrides)
+    elif "url" in overrides:
+        options = VerifyOptions(**overrides)
+    else:
+        print("kvtier verify: give --url or --stack", file=sys.stderr)
+        return 2
+    return verify(options)

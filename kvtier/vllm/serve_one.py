@@ -1,0 +1,129 @@
+"""One ``kvtier serve`` instance: the node server in this process, vLLM as its child.
+
+The terminal shows kvtier's summary — where vLLM's log is, the URL once it answers, the
+tiers behind it — and vLLM's own output (and kvtier's log lines) go to the log file
+(``--log-file``; ``-`` keeps them on the terminal). SIGINT/SIGTERM are passed on to vLLM;
+when it exits, the server drains its writes and frees the arena.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from kvtier import logs
+from kvtier.httpjson import wait_models
+from kvtier.vllm.children import die_with_parent
+from kvtier.vllm.summary import say, tiers_line
+
+if TYPE_CHECKING:
+    from kvtier.vllm.serve import ServePlan
+
+READY_TIMEOUT_S = 900.0
+
+
+def serve_one(plan: ServePlan, demo: bool) -> int:
+    log_file = _open_log(plan.log_file)
+    logs.setup("info", "text", stream=log_file)
+    server = None
+    if plan.server is not None:
+        from kvtier.server import EmbeddedServer
+
+        server = EmbeddedServer(plan.server)
+        server.start()
+    try:
+        return _run_vllm(plan, demo, log_file)
+    finally:
+        if server is not None:
+            server.stop()  # frees the arena however vLLM ended
+        if log_file is not None:
+            log_file.close()
+
+
+def _open_log(path: Path | None) -> IO[str] | None:
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "w", buffering=1)  # closed by serve_one
+
+
+def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
+    from kvtier.vllm.demo_request import DEV_MODE_ENV, demonstrate
+
+    env = {**os.environ, **(DEV_MODE_ENV if demo else {})}
+    child = subprocess.Popen(plan.cmd, env=env, preexec_fn=die_with_parent,
+                             stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
+    stopping = _forward_signals(child)
+    where = f"; its log: {plan.log_file}" if plan.log_file else ""
+    say(f"kvtier serve: starting vLLM on {plan.model}{where}")
+    started = time.monotonic()
+    model = wait_models(plan.base_url, lambda: child.poll() is None and not stopping,
+                        READY_TIMEOUT_S)
+    if model is None:
+        rc = _stop(child)
+        if not stopping:
+            say(f"kvtier serve: vLLM did not come up (exit status {rc})"
+                + (f"; the end of {plan.log_file}:\n{_tail(plan.log_file)}"
+                   if plan.log_file else ""))
+            return 1
+        return 0
+    _say_up(plan, model, time.monotonic() - started)
+    if demo:
+        try:
+            return demonstrate(plan.base_url, model)
+        finally:
+            _stop(child)
+    say("  Ctrl-C stops it.")
+    rc = child.wait()
+    rc = rc if rc >= 0 else 128 - rc
+    say(f"kvtier serve: vLLM exited (status {rc})")
+    return rc
+
+
+def _say_up(plan: ServePlan, model: str, took_s: float) -> None:
+    say(f"kvtier serve: up in {took_s:.0f} s at {plan.base_url}/v1 (model {model!r})")
+    if plan.server is not None:
+        say(f"  tiers: {tiers_line(plan.server)}")
+        if plan.server.metrics_port is not None:
+            say(f"  node server: http://{plan.server.metrics_host}:"
+                f"{plan.server.metrics_port} (/metrics, /v1/stats)")
+    else:
+        say(f"  tiers: those of the kvtier server at {plan.socket_path}")
+
+
+def _forward_signals(child: subprocess.Popen[bytes]) -> list[int]:
+    """Pass SIGINT/SIGTERM on to vLLM; the returned list is non-empty once one came."""
+    came: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        came.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    return came
+
+
+def _stop(child: subprocess.Popen[bytes]) -> int:
+    if child.poll() is None:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    return child.returncode
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_bytes()[-32 * 1024:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])

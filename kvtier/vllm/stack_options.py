@@ -1,0 +1,141 @@
+"""``kvtier serve --instances N``'s options, parsed once into :class:`StackOptions`.
+
+Ports follow ``--port P`` (default 8000): the router on P, instance i on P+1+i, instance i's
+node server (HTTP API, /metrics) on P+101+i.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import parse_size
+from kvtier.errors import ConfigError
+from kvtier.vllm.front import DEFAULT_POLICY, ROUTERS, check_router
+from kvtier.vllm.shared_spec import shared_tier
+from kvtier.vllm.sizing import flag_value
+
+LOCAL_SERVICES = ("s3", "redis")
+_ONE_INSTANCE = {"server_config": "--server-config", "server_socket": "--server-socket",
+                 "socket_path": "--socket-path", "kvtier_metrics_port": "--kvtier-metrics-port",
+                 "log_file": "--log-file", "demo_request": "--demo-request"}
+
+
+def add_stack_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the stack (--instances N)")
+    g.add_argument("--instances", type=int, metavar="N",
+                   help="start N vLLM instances, each with its own node server, one shared "
+                   "tier and a router in front (see docs/serve-stack.md)")
+    g.add_argument("--router", choices=ROUTERS, default="kvtier",
+                   help="the router in front (default: %(default)s)")
+    g.add_argument("--router-policy", metavar="NAME",
+                   help="its strategy / policy (default: cache for kvtier, round_robin for "
+                   "vllm-router)")
+    g.add_argument("--shared", metavar="SPEC",
+                   help="the shared tier: a folder (default ~/.cache/kvtier/shared), "
+                   "s3://BUCKET/PREFIX?endpoint=URL, redis://HOST:PORT/DB, or none")
+    g.add_argument("--shared-local", choices=LOCAL_SERVICES,
+                   help="start a local SeaweedFS (s3) or redis-server for the shared tier")
+    g.add_argument("--shared-size", default="8GiB",
+                   help="the shared tier's capacity (default: %(default)s)")
+    g.add_argument("--run-dir", metavar="DIR",
+                   help="logs, configs and stack.json (default: ~/.cache/kvtier/stack)")
+    g.add_argument("--verify", action="store_true",
+                   help="once up, run `kvtier verify` against the stack, then stop; the exit "
+                   "status is verify's")
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    instances: int
+    router: str
+    policy: str
+    host: str
+    port: int
+    shared_spec: str | None
+    """``--shared`` as given (None: the default folder); resolved by :meth:`shared_tier`."""
+    shared_local: str | None
+    shared_bytes: int
+    arena_bytes: int
+    model: str | None
+    vllm_args: tuple[str, ...]
+    """Options for every instance's vLLM (``--port`` and ``--host`` taken out)."""
+    chunk_tokens: int
+    priority: int
+    run_dir: Path
+    verify: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, default_arena: int) -> StackOptions:
+        n = int(args.instances)
+        if n < 1:
+            raise ConfigError("--instances must be at least 1")
+        for attr, flag in _ONE_INSTANCE.items():
+            if getattr(args, attr, None):
+                raise ConfigError(f"{flag} is for one instance; with --instances each "
+                                  "instance gets its own server, socket, port and log")
+        if args.shared_local and args.shared:
+            raise ConfigError("give --shared or --shared-local, not both")
+        policy = args.router_policy or DEFAULT_POLICY[args.router]
+        check_router(args.router, policy)
+        vllm_args = list(args.vllm_args)
+        port = int(flag_value(vllm_args, "--port") or 8000)
+        host = flag_value(vllm_args, "--host") or "127.0.0.1"
+        arena = (parse_size(args.arena_size, "--arena-size") if args.arena_size
+                 else max(default_arena // n, 256 << 20))
+        options = cls(
+            instances=n, router=args.router, policy=policy, host=host, port=port,
+            shared_spec=args.shared, shared_local=args.shared_local,
+            shared_bytes=parse_size(args.shared_size, "--shared-size"), arena_bytes=arena,
+            model=args.model, vllm_args=tuple(_without(vllm_args, "--port", "--host")),
+            chunk_tokens=args.chunk_tokens, priority=args.priority,
+            run_dir=Path(args.run_dir).expanduser() if args.run_dir else _default_run_dir(),
+            verify=bool(args.verify))
+        if options.shared_local is None:
+            options.shared_tier()  # a bad --shared fails before anything starts
+        else:
+            from kvtier.vllm.local_shared import check_local_shared
+
+            check_local_shared(options.shared_local)
+        return options
+
+    def shared_tier(self, spec: str | None = None) -> dict[str, Any] | None:
+        return shared_tier(spec if spec is not None else self.shared_spec, self.shared_bytes)
+
+    def instance_port(self, i: int) -> int:
+        return self.port + 1 + i
+
+    def node_port(self, i: int) -> int:
+        return self.port + 101 + i
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in flags:
+            skip = True
+            continue
+        if any(arg.startswith(f + "=") for f in flags):
+            continue
+        out.append(arg)
+    return out
+
+
+def _default_run_dir() -> Path:
+    from kvtier.demo.model import default_cache_dir
+
+    return default_cache_dir() / "stack"
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -1,0 +1,80 @@
+"""``kvtier verify`` without a stack: reading counters, telling who served, and failing
+loudly (naming the step) when the entry point does not answer."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtier.verify.observe import Snapshot, chunk_files, counters, hits_by_tier, served_by
+from kvtier.verify.run import VerifyOptions
+
+METRICS = """# HELP kvtier_hits_total Chunks leased
+kvtier_hits_total{tier="arena"} 3.0
+kvtier_hits_total{tier="shared"} 7.0
+kvtier_request_seconds_count{op="lookup"} 12.0
+kvtier_request_seconds_count{op="lease"} 2.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 4.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0
+vllm:other_total 9.0
+"""
+
+
+def test_counters_are_summed_per_tier_and_op() -> None:
+    got = counters(METRICS, ("kvtier_hits_total", "kvtier_request_seconds_count",
+                             "vllm:request_success_total"))
+    assert got == {"kvtier_hits_total|arena": 3.0, "kvtier_hits_total|shared": 7.0,
+                   "kvtier_request_seconds_count|lookup": 12.0,
+                   "kvtier_request_seconds_count|lease": 2.0,
+                   "vllm:request_success_total": 5.0}
+
+
+def test_the_instance_whose_vllm_finished_a_request_served_it() -> None:
+    before = Snapshot([{"vllm:request_success_total": 5.0, "kvtier_hits_total|shared": 1.0},
+                       {"vllm:request_success_total": 2.0}])
+    after = Snapshot([{"vllm:request_success_total": 5.0, "kvtier_hits_total|shared": 1.0},
+                      {"vllm:request_success_total": 3.0, "kvtier_hits_total|shared": 4.0}])
+    assert served_by(before, after) == 1
+    assert hits_by_tier(before, after, 1) == {"shared": 4}
+    both = Snapshot([{"vllm:request_success_total": 6.0}, {"vllm:request_success_total": 3.0}])
+    assert served_by(before, both) is None, "two instances moved: unknown"
+    by_lookup = Snapshot([{"kvtier_request_seconds_count|lookup": 1.0}, {}])
+    assert served_by(Snapshot([{}, {}]), by_lookup) == 0
+
+
+def test_chunk_files_of_an_fs_tier(tmp_path: Path) -> None:
+    assert chunk_files(tmp_path) == 0
+    (tmp_path / "chunks" / "ab" / "cd").mkdir(parents=True)
+    for name in ("1.kvc", "2.kvc", "3.tmp"):
+        (tmp_path / "chunks" / "ab" / "cd" / name).write_bytes(b"x")
+    assert chunk_files(tmp_path) == 2
+
+
+def test_options_from_a_stack_file() -> None:
+    state = {"router": {"url": "http://r:1"}, "shared": {"type": "fs",
+                                                         "options": {"path": "/s"}},
+             "instances": [{"url": "http://a:2", "node": "http://a:3"},
+                           {"url": "http://b:2", "node": "http://b:3"}]}
+    o = VerifyOptions.from_stack(state, attempts=2)
+    assert (o.url, o.kvtier_servers, o.backends, o.shared_path, o.attempts) == (
+        "http://r:1", ("http://a:3", "http://b:3"), ("http://a:2", "http://b:2"),
+        Path("/s"), 2)
+    no_router = VerifyOptions.from_stack({**state, "router": {"url": None}})
+    assert no_router.url == "http://a:2"
+
+
+def test_a_dead_entry_point_fails_step_1() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "kvtier", "verify", "--url",
+                             f"http://127.0.0.1:{port}"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert "[1/5] entry point      FAIL" in result.stdout
+    assert "FAILED step 1 (entry point)" in result.stdout
+    missing = subprocess.run([sys.executable, "-m", "kvtier", "verify"], capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 2 and "give --url or --stack" in missing.stderr
