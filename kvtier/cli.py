@@ -1,4 +1,4 @@
-"""``kvtier`` command line: serve | server | bench | trace | plan.
+"""``kvtier`` command line: serve | server | route | bench | trace | plan.
 
 Each subcommand lives with its package and exposes ``register(subparsers)``; modules whose
 optional dependencies are missing (vLLM for ``serve`` and ``bench ttft``) are reported when
@@ -23,6 +23,7 @@ _PLUGINS = {
     "trace": "kvtier.trace.cli",
     "plan": "kvtier.plan.cli",
     "admin": "kvtier.admin",
+    "route": "kvtier.router.cli",
 }
 _BENCH_PLUGINS = {
     "gpu": "kvtier.bench.gpu",
@@ -31,6 +32,7 @@ _BENCH_PLUGINS = {
     "multiround": "kvtier.bench.multiround",
     "compare": "kvtier.bench.compare",
     "sweep": "kvtier.bench.sweep",
+    "route": "kvtier.bench.route",
 }
 
 
