@@ -90,8 +90,9 @@ class Router:
         app.router.add_get("/v1/models", self._models_handler)
         for path in ENDPOINTS:
             app.router.add_post(path, self._route_handler)
+        # drain() waits for the requests in flight; cleanup then cancels what is left
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=max(1.0, self.config.drain_s))
+                                     shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.config.host, self.config.port,
                                  reuse_address=True)
@@ -123,7 +124,6 @@ class Router:
         if self._health is not None:
             await self._health.stop()
         if self._runner is not None:
-            self._runner._shutdown_timeout = 0.5
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
@@ -219,7 +219,9 @@ class Router:
         backend = decision.backend
         pred = decision.prediction
         load = backend.load
-        fid = load.start(pred.load_s + pred.prefill_s if pred else 0.0, time.monotonic())
+        # without a prediction (the prompt could not be keyed), a typical prefill
+        predicted = pred.load_s + pred.prefill_s if pred else load.mean_prefill_s.value
+        fid = load.start(predicted, time.monotonic())
         self._remember(req, decision)
         gauge = self.metrics.in_flight.labels(backend.name)
         gauge.inc()

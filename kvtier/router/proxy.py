@@ -126,20 +126,24 @@ async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.R
                              headers=_back_headers(resp.headers, backend_name))
     await out.prepare(client)
     chunk = first
-    try:
-        while chunk:
+    while chunk:
+        try:
             await out.write(chunk)
-            outcome.chunks += 1
-            outcome.last_byte = time.monotonic()
-            if b'"kv_transfer_params"' in chunk:
-                outcome.doc = _event_with_params(chunk) or outcome.doc
+        except (ConnectionError, RuntimeError):  # the client went away: stop reading
+            outcome.extra["client_gone"] = True
+            return out, outcome
+        outcome.chunks += 1
+        outcome.last_byte = time.monotonic()
+        if b'"kv_transfer_params"' in chunk:
+            outcome.doc = _event_with_params(chunk) or outcome.doc
+        try:
             chunk = await resp.content.readany()
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-            TimeoutError) as exc:
-        outcome.extra["cut"] = f"{type(exc).__name__}: {exc}"
-        await _cut(out, client)
-        return out, outcome
-    await out.write_eof()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            outcome.extra["cut"] = f"{type(exc).__name__}: {exc}"
+            await _cut(out, client)
+            return out, outcome
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await out.write_eof()
     return out, outcome
 
 

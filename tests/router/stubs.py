@@ -46,8 +46,10 @@ class EngineModel:
 
     def register(self, tokenizer: str = "/nonexistent/tokenizer") -> None:
         with KvtierClient(self.node.socket_path) as client:
+            # what the vLLM connector registers, its short namespace included
             client.call(Register(NS, {"model": "m", "chunk_tokens": self.chunk_tokens,
-                                      "served_model_name": MODEL, "tokenizer": tokenizer}))
+                                      "served_model_name": MODEL, "tokenizer": tokenizer,
+                                      "namespace": NS.hex()[:16]}))
 
     async def prefill(self, tokens: list[int]) -> dict[str, int]:
         keys = chunk_keys(NS, tokens, self.chunk_tokens)

@@ -106,3 +106,20 @@ def test_models_are_merged_and_metrics_count_per_backend() -> None:
                 assert resp.status == 200 and (await resp.json())["backends_up"] == 2
             assert json.dumps(models)  # a JSON document
     asyncio.run(main())
+
+
+def test_a_client_that_goes_away_mid_stream_frees_the_backend() -> None:
+    async def main() -> None:
+        async with stubs(1, tokens=100, token_s=0.02) as backends, running_router(
+                router_config(backends)) as router:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            async with aiohttp.ClientSession() as s, \
+                    s.post(url, json=completion(stream=True)) as resp:
+                await resp.content.readany()
+            started = time.monotonic()  # the client's connection is closed now
+            while router.active or backends[0].running:
+                assert time.monotonic() - started < 2.0, "the stream went on without a client"
+                await asyncio.sleep(0.02)
+            assert router.pool.backends[0].healthy, "a client leaving is not a backend failing"
+            assert router.pool.backends[0].load.in_flight == 0
+    asyncio.run(main())
