@@ -26,16 +26,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvtier.router.accounting import Accounting
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.config import RouterConfig
-from kvtier.router.cost import RECOMPUTED, dominant
 from kvtier.router.health import HealthMonitor
 from kvtier.router.history import DeviceHistory
 from kvtier.router.keys import Renderers
-from kvtier.router.load import Flight
 from kvtier.router.lookup import NodeLookups
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.proxy import BackendFailed, Outcome, error_response, forward, outgoing_headers
+from kvtier.router.proxy import BackendFailed, error_response, forward, outgoing_headers
 from kvtier.router.request import ENDPOINTS, RoutedRequest
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
 
@@ -47,6 +46,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens)
         self.pool = BackendPool(config)
         self.pool.listeners.append(self._on_health)
         self.renderers = Renderers()
@@ -229,12 +229,12 @@ class Router:
                                    keep_client_auth=self._key is None)
         try:
             response, outcome = await forward(
-                self._session_or_fail(), backend.url + req.path, backend.name, req.raw,
+                self._session_or_fail(), backend.url + request.path_qs, backend.name, req.raw,
                 headers, request, self._timeout, lambda t: load.first_byte(fid, t))
         finally:
             flight = load.finish(fid, time.monotonic())
             gauge.dec()
-        self._account(req, decision, outcome, flight, received)
+        self.accounting.record(req, decision, outcome, flight, received)
         if "cut" in outcome.extra:
             self.pool.set_health(backend, False, f"stream cut: {outcome.extra['cut']}")
         return response
@@ -254,63 +254,3 @@ class Router:
         self.metrics.up.labels(backend.name).set(1 if healthy else 0)
         if not healthy:
             self.history.forget(backend.index)  # a restarted engine has an empty cache
-
-    # ------------------------------------------------------------------ accounting
-
-    def _account(self, req: RoutedRequest, decision: Decision, outcome: Outcome,
-                 flight: Flight | None, received: float) -> None:
-        backend, m = decision.backend, self.metrics
-        now = time.monotonic()
-        m.requests.labels(backend.name, req.endpoint, str(outcome.status)).inc()
-        m.latency.labels(backend.name, req.endpoint).observe(now - received)
-        if outcome.first_byte is not None:
-            m.first_byte.labels(backend.name).observe(outcome.first_byte - received)
-        if outcome.status != 200:
-            return
-        if outcome.streamed and outcome.chunks >= 3 and outcome.first_byte and outcome.last_byte:
-            backend.load.itl_s.add((outcome.last_byte - outcome.first_byte)
-                                   / (outcome.chunks - 1))
-        actual = _actual_sources(outcome.doc)
-        pred = decision.prediction
-        if pred is not None:
-            m.predicted_ttft.labels(backend.name).observe(pred.ttft_s)
-            if actual is not None:
-                for source, tokens in pred.sources.items():
-                    m.predicted_tokens.labels(backend.name, source).inc(tokens)
-        if actual is not None:
-            for source, tokens in actual.items():
-                m.actual_tokens.labels(backend.name, source).inc(tokens)
-            m.hit_source.labels(pred.dominant if pred else "unknown", dominant(actual)).inc()
-        if flight is not None:
-            self._speed_sample(backend, decision, outcome, flight, actual)
-
-    def _speed_sample(self, backend: Backend, decision: Decision, outcome: Outcome,
-                      flight: Flight, actual: dict[str, int] | None) -> None:
-        """Recomputed tokens over prefill time, from a request that had the backend alone."""
-        pred = decision.prediction
-        if not flight.alone or outcome.first_byte is None or pred is None:
-            return
-        recomputed = actual.get(RECOMPUTED) if actual else pred.sources.get(RECOMPUTED)
-        if recomputed is None or recomputed < self.config.cost.min_sample_tokens:
-            return
-        ttft = outcome.first_byte - flight.sent
-        if not outcome.streamed:  # the first byte of a whole answer is its last
-            usage = (outcome.doc or {}).get("usage") or {}
-            generated = int(usage.get("completion_tokens") or 1)
-            ttft -= max(0, generated - 1) * backend.load.itl_s.value
-        prefill = ttft - pred.load_s
-        if prefill > 0.001:
-            backend.load.speed.add(recomputed / prefill)
-
-
-def _actual_sources(doc: dict[str, Any] | None) -> dict[str, int] | None:
-    """``kv_transfer_params.kvtier.tokens`` of a response, if it has them."""
-    params = (doc or {}).get("kv_transfer_params")
-    kvtier = params.get("kvtier") if isinstance(params, dict) else None
-    tokens = kvtier.get("tokens") if isinstance(kvtier, dict) else None
-    if not isinstance(tokens, dict):
-        return None
-    try:
-        return {str(k): int(v) for k, v in tokens.items()}
-    except (TypeError, ValueError):
-        return None

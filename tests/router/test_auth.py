@@ -104,3 +104,6 @@ def test_command_line_never_takes_a_key_itself() -> None:
             ["route", "--backends", "http://a:1", "--kvtier-servers", "http://a:9,http://b:9"]))
     with pytest.raises(ConfigError, match="not an http"):
         RouterConfig.from_args(parser.parse_args(["route", "--backends", "a:1"]))
+    from kvtier.cli import main
+
+    assert main(["route", "--backends", "a:1"]) == 2, "a bad option: exit 2, no traceback"

@@ -221,7 +221,9 @@ def test_a_prompt_sent_twice_lands_on_both_and_the_second_loads_the_shared_tier(
     body = {"model": MODEL, "prompt": "Once more: " + PROMPT, "max_tokens": 8,
             "temperature": 0.0}
     _, keys = router_keys(instances[0], "completions", body)
+    started = time.monotonic()
     status, first, headers = call(f"{url}/v1/completions", body)
+    first_s = time.monotonic() - started
     assert status == 200, first
     x = by_url(instances, headers["X-Kvtier-Backend"])
     y = next(i for i in instances if i is not x)
@@ -240,8 +242,13 @@ def test_a_prompt_sent_twice_lands_on_both_and_the_second_loads_the_shared_tier(
         "urllib.request.urlopen(req, timeout=300).read()\n")])
     try:
         time.sleep(1.5)  # a few health rounds: the router reads x's queue from its /metrics
+        started = time.monotonic()
         status, second, headers = call(f"{url}/v1/completions", body)
+        second_s = time.monotonic() - started
         assert status == 200, second
+        print(f"\nfirst: {x.url} {first_s:.2f} s {first['kv_transfer_params']['kvtier']}"
+              f"\nsecond (first busy): {headers['X-Kvtier-Backend']} {second_s:.2f} s "
+              f"{second['kv_transfer_params']['kvtier']}")
         assert headers["X-Kvtier-Backend"] == y.url, "load wins: x is busy, y can load it"
         tokens = second["kv_transfer_params"]["kvtier"]["tokens"]
         assert tokens.get("shared") == len(keys) * 256, tokens
