@@ -21,6 +21,7 @@ from stubs import EngineModel, completion, post, router_config, running_router, 
 from kvtier.client import KvtierClient
 from kvtier.config import ServerConfig
 from kvtier.keys import chunk_keys
+from kvtier.router.config import CostModel
 from kvtier.server import EmbeddedServer, NodeServer
 
 CHUNK = 16
@@ -55,8 +56,11 @@ async def burst(tmp_path: Path, shared: bool) -> tuple[dict[str, int], Any, list
             for b, e in zip(backends, engines, strict=True):
                 b.engine = e
             servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
+            # everything shares this process's GIL here: give lookups more than the
+            # default 0.1 s, so a burst measures the strategy, not the test's contention
+            cost = CostModel(lookup_timeout_s=2.0)
             async with running_router(router_config(
-                    backends, strategy="cache", kvtier_servers=servers)) as router, \
+                    backends, strategy="cache", kvtier_servers=servers, cost=cost)) as router, \
                     aiohttp.ClientSession() as s:
                 await asyncio.sleep(0.3)  # namespaces read
                 url = f"http://127.0.0.1:{router.port}/v1/completions"
@@ -73,6 +77,9 @@ async def burst(tmp_path: Path, shared: bool) -> tuple[dict[str, int], Any, list
                 assert all(status == 200 for status, _, _ in results)
                 went = [h["X-Kvtier-Backend"] for _, _, h in results]
                 counts = {"warm": went.count(warm), "other": BURST - went.count(warm)}
+                failures = [router.metrics.registry.get_sample_value(
+                    "kvtier_router_lookup_failures_total", {"server": url}) for url in servers]
+                assert failures == [None, None], "every lookup answered"
                 return counts, router.metrics.registry, [b.url for b in backends]
     finally:
         for n in nodes:
@@ -94,9 +101,9 @@ def test_node_local_tiers_keep_affinity(tmp_path: Path) -> None:
 def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
     counts, registry, _ = asyncio.run(burst(tmp_path, shared=True))
     print(f"\nshared tier: {counts} of a burst of {BURST}")
-    assert counts["other"] >= BURST // 3, counts
-    assert counts["warm"] >= BURST // 3, counts
-    assert decisions(registry, "load") >= BURST // 3, "the other won on its queue"
+    assert counts["other"] >= BURST // 4, counts
+    assert counts["warm"] >= BURST // 4, counts
+    assert decisions(registry, "load") >= BURST // 4, "the other won on its queue"
     shared_hits = registry.get_sample_value("kvtier_router_hit_source_total",
                                             {"predicted": "shared", "actual": "shared"})
     assert shared_hits and shared_hits >= 1, "the other instance loaded from the shared tier"
