@@ -7,10 +7,18 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from conftest import server_config
+from store_helpers import SLOT_BYTES
 from stubs import EngineModel, completion, post, router_config, running_router, stubs
 
-from kvtier.server import EmbeddedServer
+from kvtier.config import ServerConfig
+from kvtier.server import EmbeddedServer, NodeServer
+
+
+def node_server(root: Path, slots: int = 8) -> NodeServer:
+    return EmbeddedServer(ServerConfig.from_dict({
+        "socket_path": str(root / "kvtier.sock"), "metrics_port": 0,
+        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+                  "free_target": 0.0}})).start()
 
 
 def served_by(headers: dict[str, str]) -> str:
@@ -68,7 +76,7 @@ def test_session_sticks_to_one_backend_and_only_a_dead_ones_sessions_move() -> N
 
 def test_prefix_hashes_the_leading_chunks(tmp_path: Path) -> None:
     async def main() -> None:
-        node = EmbeddedServer(server_config(tmp_path, metrics_port=0)).start()
+        node = node_server(tmp_path)
         try:
             EngineModel(node, chunk_tokens=16).register()
             node_url = f"http://127.0.0.1:{node.metrics_port}"
@@ -94,8 +102,7 @@ def test_prefix_hashes_the_leading_chunks(tmp_path: Path) -> None:
 
 def test_cache_strategy_prefers_the_backend_holding_the_prefix(tmp_path: Path) -> None:
     async def main() -> None:
-        nodes = [EmbeddedServer(server_config(tmp_path / n, slots=64, metrics_port=0)).start()
-                 for n in "ab"]
+        nodes = [node_server(tmp_path / n, slots=64) for n in "ab"]
         try:
             engines = [EngineModel(node, chunk_tokens=16, speed=4000) for node in nodes]
             for engine in engines:
