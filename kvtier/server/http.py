@@ -64,7 +64,8 @@ class NodeHTTP:
             tiers = {s.name: s.breaker.state.name.lower() for s in store.tiers}
             return _json({"ok": True, "instance": store.instance, "tiers": tiers})
         if path == "/v1/namespaces":
-            return _json([{"namespace": fp.hex(), **info}
+            # the full fingerprint wins over an engine's short form (its first 16 hex)
+            return _json([{**info, "namespace": fp.hex()}
                           for fp, info in list(self.service.namespaces.items())])
         if path == "/v1/stats":
             return _json(store.stats())

@@ -1,0 +1,256 @@
+"""The router: an aiohttp server in front of OpenAI-compatible backends.
+
+::
+
+    client ──► auth (401 before anything else) ──► strategy.choose(healthy candidates)
+           ◄── stream / whole answer ◄── proxy.forward(backend) ──► retry elsewhere if it
+                                                                   failed before any byte
+    health monitor: /health, /v1/models, /metrics of each backend; /v1/namespaces of each
+    node server, every --health-interval-s
+
+``/v1/*`` needs ``Authorization: Bearer KEY`` when a key is configured; ``/health`` and
+``/metrics`` do not (as in vLLM). On :meth:`Router.drain` the router stops listening, answers
+new requests on open connections with 503, and waits for the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvtier.router.accounting import Accounting
+from kvtier.router.backends import Backend, BackendPool
+from kvtier.router.config import RouterConfig
+from kvtier.router.health import HealthMonitor
+from kvtier.router.history import DeviceHistory
+from kvtier.router.keys import Renderers
+from kvtier.router.lookup import NodeLookups
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.proxy import BackendFailed, error_response, forward, outgoing_headers
+from kvtier.router.request import ENDPOINTS, RoutedRequest
+from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
+
+log = logging.getLogger("kvtier.router")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens)
+        self.pool = BackendPool(config)
+        self.pool.listeners.append(self._on_health)
+        self.renderers = Renderers()
+        self.history = DeviceHistory(config.cost.device_ttl_s)
+        self.strategy_cls = STRATEGIES[config.strategy]  # unknown name: fail before binding
+        self._key = config.api_key.encode() if config.api_key else None
+        backend_auth = (f"Bearer {config.backend_api_key}" if config.backend_api_key else None)
+        self._backend_auth = backend_auth
+        self._backend_headers = {"Authorization": backend_auth} if backend_auth else {}
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
+                                              sock_read=config.request_timeout_s)
+        self.draining = False
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.port: int | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._health: HealthMonitor | None = None
+        self.strategy: Strategy | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> int:
+        """Check every backend once, then listen; returns the port."""
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
+                              self.metrics.lookup_failures)
+        ctx = RoutingContext(self.config, self.pool, lookups, self.history)
+        self.strategy = self.strategy_cls(ctx)
+        self._health = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
+                                     self._backend_headers, self.renderers)
+        for backend in self.pool:
+            self.metrics.up.labels(backend.name).set(0)
+        await self._health.start()
+        app = web.Application(middlewares=[self._guard], client_max_size=1 << 30)
+        app.router.add_get("/health", self._health_handler)
+        app.router.add_get("/metrics", self._metrics_handler)
+        app.router.add_get("/v1/models", self._models_handler)
+        for path in ENDPOINTS:
+            app.router.add_post(path, self._route_handler)
+        # drain() waits for the requests in flight; cleanup then cancels what is left
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=0.5)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.config.host, self.config.port,
+                                 reuse_address=True)
+        await self._site.start()
+        self.port = int(self._runner.addresses[0][1])
+        log.info("kvtier route on http://%s:%d, strategy %s, %d/%d backends up",
+                 self.config.host, self.port, self.config.strategy, len(self.pool.healthy()),
+                 len(self.pool))
+        return self.port
+
+    async def drain(self) -> bool:
+        """Stop accepting, let the requests in flight finish (up to ``drain_s``); True if
+        they all did."""
+        self.draining = True
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        log.info("draining: %d requests in flight, waiting up to %.0f s", self.active,
+                 self.config.drain_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.config.drain_s)
+            return True
+        except TimeoutError:
+            log.warning("drain: %d requests still in flight after %.0f s", self.active,
+                        self.config.drain_s)
+            return False
+
+    async def close(self) -> None:
+        if self._health is not None:
+            await self._health.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ handlers
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            if self._key is not None and not self._authorized(request):
+                self.metrics.refused.labels("unauthorized").inc()
+                return error_response(401, "a valid API key is required (Authorization: "
+                                      "Bearer ...)", "invalid_request_error")
+            if self.draining:
+                self.metrics.refused.labels("draining").inc()
+                resp = error_response(503, "the router is shutting down")
+                resp.headers["Connection"] = "close"
+                return resp
+        return await handler(request)
+
+    def _authorized(self, request: web.Request) -> bool:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        assert self._key is not None
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                  self._key)
+
+    async def _health_handler(self, request: web.Request) -> web.Response:
+        up = len(self.pool.healthy())
+        ok = up > 0 and not self.draining
+        return web.json_response({"ok": ok, "draining": self.draining, "backends_up": up,
+                                  "backends": len(self.pool)}, status=200 if ok else 503)
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        for b in self.pool:
+            self.metrics.speed.labels(b.name).set(b.load.speed.value)
+        body = generate_latest(self.metrics.registry)
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    async def _models_handler(self, request: web.Request) -> web.Response:
+        seen: dict[str, dict[str, Any]] = {}
+        for backend in self.pool.healthy():
+            for model in backend.models:
+                seen.setdefault(str(model.get("id")), model)
+        if not self.pool.healthy():
+            return error_response(503, "no backend is up")
+        return web.json_response({"object": "list", "data": list(seen.values())})
+
+    async def _route_handler(self, request: web.Request) -> web.StreamResponse:
+        received = time.monotonic()
+        self.active += 1
+        self._idle.clear()
+        try:
+            raw = await request.read()
+            req = RoutedRequest.parse(request.path, raw,
+                                      request.headers.get(self.config.session_header),
+                                      self.renderers)
+            return await self._route(req, request, received)
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    # ------------------------------------------------------------------ routing
+
+    async def _route(self, req: RoutedRequest, request: web.Request,
+                     received: float) -> web.StreamResponse:
+        assert self.strategy is not None
+        tried: list[int] = []
+        while True:
+            candidates = self.pool.candidates(req.model, tried)
+            if not candidates:
+                self.metrics.refused.labels("no_backend").inc()
+                if tried:
+                    return error_response(502, f"{len(tried)} backends failed this request")
+                return error_response(503, "no backend is up")
+            decision = await self.strategy.choose(req, candidates)
+            self.metrics.decisions.labels(self.strategy.name, decision.reason).inc()
+            tried.append(decision.backend.index)
+            try:
+                return await self._attempt(req, decision, request, received)
+            except BackendFailed as exc:
+                backend = decision.backend
+                self.metrics.retries.labels(backend.name).inc()
+                log.warning("backend %s failed before answering (%s); retrying elsewhere",
+                            backend.name, exc)
+                if exc.down:
+                    self.pool.set_health(backend, False, str(exc))
+
+    async def _attempt(self, req: RoutedRequest, decision: Decision, request: web.Request,
+                       received: float) -> web.StreamResponse:
+        backend = decision.backend
+        pred = decision.prediction
+        load = backend.load
+        # without a prediction (the prompt could not be keyed), a typical prefill
+        predicted = pred.load_s + pred.prefill_s if pred else load.mean_prefill_s.value
+        fid = load.start(predicted, time.monotonic())
+        self._remember(req, decision)
+        gauge = self.metrics.in_flight.labels(backend.name)
+        gauge.inc()
+        headers = outgoing_headers(request.headers, self._backend_auth,
+                                   keep_client_auth=self._key is None)
+        try:
+            response, outcome = await forward(
+                self._session_or_fail(), backend.url + request.path_qs, backend.name, req.raw,
+                headers, request, self._timeout, lambda t: load.first_byte(fid, t))
+        finally:
+            flight = load.finish(fid, time.monotonic())
+            gauge.dec()
+        self.accounting.record(req, decision, outcome, flight, received)
+        if "cut" in outcome.extra:
+            self.pool.set_health(backend, False, f"stream cut: {outcome.extra['cut']}")
+        return response
+
+    def _remember(self, req: RoutedRequest, decision: Decision) -> None:
+        keys, backend = decision.keys, decision.backend
+        if keys is None or backend.namespace_for(req.model) != keys.namespace:
+            return
+        device = backend.device_tokens or self.config.cost.device_tokens
+        self.history.record(backend.index, keys.keys, device // keys.chunk_tokens)
+
+    def _session_or_fail(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Router.start() first"
+        return self._session
+
+    def _on_health(self, backend: Backend, healthy: bool) -> None:
+        self.metrics.up.labels(backend.name).set(1 if healthy else 0)
+        if not healthy:
+            self.history.forget(backend.index)  # a restarted engine has an empty cache

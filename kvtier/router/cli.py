@@ -1,0 +1,113 @@
+"""``kvtier route``: the router as a command (SIGTERM / Ctrl-C: drain, then exit)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from kvtier import logs
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.router.config import RouterConfig
+
+log = logging.getLogger("kvtier.router")
+STRATEGY_NAMES = ("roundrobin", "session", "prefix", "cache")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("route", allow_abbrev=False,
+                       help="OpenAI-compatible router in front of vLLM instances "
+                       "(cache-aware with kvtier node servers)")
+    p.add_argument("--backends", required=True, metavar="URL,URL",
+                   help="the instances' OpenAI-compatible base URLs")
+    p.add_argument("--kvtier-servers", metavar="URL,URL",
+                   help="each backend's node-server HTTP API (its metrics_port), same order; "
+                   "needed by the cache and prefix strategies")
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, default="roundrobin")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-env", metavar="VAR",
+                      help="clients must send Authorization: Bearer $VAR")
+    keys.add_argument("--api-key-file", metavar="FILE", help="... or the key in FILE")
+    backend_keys = p.add_mutually_exclusive_group()
+    backend_keys.add_argument("--backend-api-key-env", metavar="VAR",
+                              help="the key sent to the backends (health checks included)")
+    backend_keys.add_argument("--backend-api-key-file", metavar="FILE")
+    p.add_argument("--health-interval-s", type=float, default=2.0)
+    p.add_argument("--session-header", default="X-Session-Id",
+                   help="the session strategy's key (else the body's 'user')")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight may take to finish")
+    p.add_argument("--prefix-chunks", type=int, default=2,
+                   help="the prefix strategy hashes this many leading chunks")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=5000.0,
+                   help="cache strategy: a backend's prefill speed until measured")
+    p.add_argument("--device-ttl-s", type=float, default=120.0,
+                   help="cache strategy: how long a prefix sent to a backend counts as in its "
+                   "device cache")
+    p.add_argument("--lookup-timeout-s", type=float, default=0.1,
+                   help="cache strategy: a node server slower than this holds nothing")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="a backend silent for this long fails the request")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        print("kvtier route needs aiohttp; install with: pip install 'kvtier[route]'",
+              file=sys.stderr)
+        return 2
+    try:
+        config = RouterConfig.from_args(args)
+    except ConfigError as exc:
+        print(f"kvtier route: {exc}", file=sys.stderr)
+        return 2
+    logs.setup(args.log_level, "text")
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(config))
+    except KvtierError as exc:
+        print(f"kvtier route: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtier route: cannot listen on {config.host}:{config.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+async def serve(config: RouterConfig) -> None:
+    from kvtier.router.app import Router
+
+    router = Router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await router.start()
+        await stop.wait()
+        await router.drain()
+    finally:
+        await router.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):
+                loop.remove_signal_handler(sig)
+    log.info("kvtier route stopped")
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when it is installed (vLLM brings it): a cheaper event loop for a proxy."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

@@ -1,0 +1,135 @@
+"""The router's configuration, parsed once from the command line into frozen dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Knobs of the ``cache`` strategy's TTFT estimate (see docs/router.md)."""
+
+    prefill_tokens_per_s: float = 5000.0
+    """A backend's prefill speed until it has been measured from its responses."""
+    speed_alpha: float = 0.3
+    """Weight of a new speed sample in the moving average."""
+    min_sample_tokens: int = 256
+    """Recomputed tokens a response needs before it counts as a speed sample."""
+    device_ttl_s: float = 120.0
+    """How long the router assumes a prefix it sent to a backend stays in vLLM's own cache."""
+    device_tokens: int = 65536
+    """vLLM's device cache size in tokens when the backend's /metrics does not say."""
+    lookup_timeout_s: float = 0.1
+    """A node server that has not answered a lookup by then counts as holding nothing."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    backends: tuple[str, ...]
+    kvtier_servers: tuple[str | None, ...]
+    """Each backend's node-server HTTP API (same order), or None."""
+    strategy: str = "roundrobin"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    backend_api_key: str | None = None
+    health_interval_s: float = 2.0
+    session_header: str = "X-Session-Id"
+    drain_s: float = 30.0
+    prefix_chunks: int = 2
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    """A backend that sends nothing for this long fails the request."""
+    cost: CostModel = CostModel()
+
+    def __repr__(self) -> str:  # never show keys, even in a traceback
+        return (f"RouterConfig(backends={self.backends}, strategy={self.strategy!r}, "
+                f"api_key={'set' if self.api_key else None}, "
+                f"backend_api_key={'set' if self.backend_api_key else None})")
+
+    __str__ = __repr__
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        backends = parse_urls(args.backends, "--backends")
+        if not backends:
+            raise ConfigError("--backends: give at least one URL")
+        servers: tuple[str | None, ...] = (None,) * len(backends)
+        if args.kvtier_servers:
+            given = parse_urls(args.kvtier_servers, "--kvtier-servers")
+            if len(given) != len(backends):
+                raise ConfigError(f"--kvtier-servers: {len(given)} URLs for {len(backends)} "
+                                  "backends; give one per backend, in the same order")
+            servers = given
+        cost = CostModel(
+            prefill_tokens_per_s=_positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s"),
+            device_ttl_s=_positive(args.device_ttl_s, "--device-ttl-s"),
+            lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"))
+        return cls(
+            backends=backends, kvtier_servers=servers, strategy=args.strategy,
+            host=args.host, port=_port(args.port),
+            api_key=read_key(args.api_key_env, args.api_key_file, "--api-key"),
+            backend_api_key=read_key(args.backend_api_key_env, args.backend_api_key_file,
+                                     "--backend-api-key"),
+            health_interval_s=_positive(args.health_interval_s, "--health-interval-s"),
+            session_header=args.session_header, drain_s=_non_negative(args.drain_s, "--drain-s"),
+            prefix_chunks=int(_positive(args.prefix_chunks, "--prefix-chunks")),
+            request_timeout_s=_positive(args.request_timeout_s, "--request-timeout-s"),
+            cost=cost)
+
+
+def parse_urls(text: str, option: str) -> tuple[str, ...]:
+    """``URL,URL,...`` as normalised base URLs (no trailing slash)."""
+    out = []
+    for raw in (part.strip() for part in text.split(",")):
+        if not raw:
+            continue
+        parts = urlsplit(raw)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{option}: {raw!r} is not an http(s)://host:port URL")
+        out.append(raw.rstrip("/"))
+    return tuple(out)
+
+
+def read_key(env: str | None, file: str | None, option: str) -> str | None:
+    """An API key from a file or an environment variable, never from the command line."""
+    if env and file:
+        raise ConfigError(f"{option}-env and {option}-file: give one of them")
+    if file:
+        try:
+            key = Path(file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{option}-file: cannot read {file}: {exc.strerror}") from exc
+        if not key:
+            raise ConfigError(f"{option}-file: {file} is empty")
+        return key
+    if env:
+        key = os.environ.get(env, "").strip()
+        if not key:
+            raise ConfigError(f"{option}-env: environment variable {env} is not set or empty")
+        return key
+    return None
+
+
+def _positive(value: float, option: str) -> float:
+    if not value > 0:
+        raise ConfigError(f"{option}: must be > 0, got {value}")
+    return float(value)
+
+
+def _non_negative(value: float, option: str) -> float:
+    if not value >= 0:
+        raise ConfigError(f"{option}: must be >= 0, got {value}")
+    return float(value)
+
+
+def _port(value: int) -> int:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"--port: must be in [0, 65535], got {value}")
+    return int(value)

@@ -1,0 +1,113 @@
+"""Active health checks, every ``health_interval_s``, carrying the backends' API key.
+
+Per backend: ``GET /health`` (a 200 within the interval keeps it in; anything else takes it
+out at once, the next 200 brings it back), then ``GET /v1/models`` (what it serves, merged into
+the router's own /v1/models) and ``GET /metrics`` (its queue and device cache size). Per
+node server: ``GET /v1/namespaces`` (what keys its engines compute). A request that cannot
+reach a backend also takes it out (:meth:`BackendPool.set_health`), without waiting for the
+next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+
+from kvtier.router.backends import Backend, BackendPool
+from kvtier.router.keys import NamespaceInfo, Renderers
+from kvtier.router.scrape import engine_gauges
+
+log = logging.getLogger("kvtier.router")
+
+
+class HealthMonitor:
+    def __init__(self, pool: BackendPool, session: aiohttp.ClientSession, interval_s: float,
+                 backend_headers: dict[str, str], renderers: Renderers) -> None:
+        self.pool = pool
+        self.session = session
+        self.interval_s = interval_s
+        self.headers = backend_headers
+        self.renderers = renderers
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # one bad round must not end health checking
+                log.exception("health check round failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(b) for b in self.pool))
+
+    async def check(self, backend: Backend) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s))
+        try:
+            async with self.session.get(f"{backend.url}/health", headers=self.headers,
+                                        timeout=timeout) as resp:
+                await resp.read()
+                ok, why = resp.status == 200, f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, why = False, f"/health: {type(exc).__name__}: {exc}"
+        if ok:
+            await asyncio.gather(self._models(backend, timeout),
+                                 self._gauges(backend, timeout),
+                                 self._namespaces(backend, timeout))
+        self.pool.set_health(backend, ok, "ok" if ok else why)
+
+    async def _models(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
+        doc = await self._get_json(f"{backend.url}/v1/models", timeout, self.headers)
+        if isinstance(doc, dict) and isinstance(doc.get("data"), list):
+            backend.models = [m for m in doc["data"] if isinstance(m, dict)]
+
+    async def _gauges(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
+        try:
+            async with self.session.get(f"{backend.url}/metrics", headers=self.headers,
+                                        timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            return
+        gauges = engine_gauges(text)
+        backend.load.observe(gauges.running, gauges.waiting)
+        if gauges.device_tokens:
+            backend.device_tokens = gauges.device_tokens
+
+    async def _namespaces(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
+        if backend.node_url is None:
+            return
+        doc = await self._get_json(f"{backend.node_url}/v1/namespaces", timeout, {})
+        if not isinstance(doc, list):
+            return  # keep what it said last: an engine's keys do not change while it runs
+        spaces = [ns for ns in (NamespaceInfo.parse(d) for d in doc if isinstance(d, dict))
+                  if ns is not None]
+        if spaces != backend.namespaces:
+            backend.namespaces = spaces
+            for ns in spaces:
+                self.renderers.prefetch(ns.tokenizer)
+
+    async def _get_json(self, url: str, timeout: aiohttp.ClientTimeout,
+                        headers: dict[str, str]) -> Any:
+        try:
+            async with self.session.get(url, headers=headers, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                return await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None

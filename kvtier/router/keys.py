@@ -1,0 +1,142 @@
+"""The chunk keys of a request's prompt, as the engine behind a backend computes them.
+
+A node server lists the namespaces its engines registered (``GET /v1/namespaces``): the
+fingerprint, ``chunk_tokens``, the tokenizer and the name clients call the model by. The
+keys are ``kvtier.keys.chunk_keys(fingerprint, tokens, chunk_tokens, extras)`` with the
+extras the connector adds (``salt:<cache_salt>``); the tokens come from
+:mod:`kvtier.router.prompts`. Tokenizers load once, in a thread, the first time a namespace
+names them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.router.prompts import PromptRenderer
+
+log = logging.getLogger("kvtier.router")
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    fingerprint: bytes
+    chunk_tokens: int
+    tokenizer: str
+    served_model_name: str
+
+    @classmethod
+    def parse(cls, doc: Mapping[str, Any]) -> NamespaceInfo | None:
+        """One entry of a node server's ``/v1/namespaces``; None if it lacks what keys need."""
+        try:
+            fp = bytes.fromhex(str(doc["namespace"]))
+            chunk = int(doc["chunk_tokens"])
+            tokenizer = str(doc.get("tokenizer") or doc["model"])
+        except (KeyError, ValueError, TypeError):
+            return None
+        if len(fp) != 32 or chunk <= 0:
+            return None
+        name = str(doc.get("served_model_name") or doc.get("model") or "")
+        return cls(fp, chunk, tokenizer, name)
+
+
+def pick_namespace(spaces: Sequence[NamespaceInfo], model: str | None) -> NamespaceInfo | None:
+    """The namespace serving ``model``: the last one registered under that name (an engine
+    that reset its cache registers a new generation after the old one)."""
+    if model is None:
+        names = {ns.served_model_name for ns in spaces}
+        return spaces[-1] if len(names) == 1 else None
+    for ns in reversed(spaces):
+        if ns.served_model_name == model:
+            return ns
+    return None
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    namespace: NamespaceInfo
+    prompt_tokens: int
+    keys: tuple[ChunkKey, ...]
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.namespace.chunk_tokens
+
+
+def extras_of(body: Mapping[str, Any]) -> tuple[str, ...]:
+    salt = body.get("cache_salt")
+    return (f"salt:{salt}",) if salt else ()
+
+
+class Renderers:
+    """One :class:`PromptRenderer` per tokenizer, loaded on first use in a thread."""
+
+    def __init__(self) -> None:
+        self._loading: dict[str, asyncio.Task[PromptRenderer | None]] = {}
+
+    def prefetch(self, tokenizer: str) -> None:
+        if tokenizer not in self._loading:
+            self._loading[tokenizer] = asyncio.create_task(self._load(tokenizer))
+
+    async def get(self, tokenizer: str) -> PromptRenderer | None:
+        self.prefetch(tokenizer)
+        return await asyncio.shield(self._loading[tokenizer])
+
+    async def _load(self, tokenizer: str) -> PromptRenderer | None:
+        try:
+            renderer = await asyncio.to_thread(PromptRenderer, tokenizer)
+        except Exception as exc:
+            log.warning("cannot load tokenizer %s (%s: %s); its requests are routed without "
+                        "keys", tokenizer, type(exc).__name__, exc)
+            return None
+        log.info("tokenizer %s loaded", tokenizer)
+        return renderer
+
+
+class RequestKeys:
+    """A request's tokens per tokenizer and keys per namespace, each computed once."""
+
+    def __init__(self, endpoint: str, body: Mapping[str, Any] | None,
+                 renderers: Renderers) -> None:
+        self.endpoint = endpoint
+        self.body = body
+        self.renderers = renderers
+        self._tokens: dict[str, list[int] | None] = {}
+        self._keys: dict[bytes, PromptKeys | None] = {}
+
+    async def keys(self, ns: NamespaceInfo | None) -> PromptKeys | None:
+        if ns is None or self.body is None:
+            return None
+        if ns.fingerprint not in self._keys:
+            tokens = await self.tokens(ns.tokenizer)
+            self._keys[ns.fingerprint] = None if tokens is None else PromptKeys(
+                ns, len(tokens), tuple(chunk_keys(ns.fingerprint, tokens, ns.chunk_tokens,
+                                                  extras_of(self.body))))
+        return self._keys[ns.fingerprint]
+
+    async def tokens(self, tokenizer: str) -> list[int] | None:
+        ids = self._given_ids()
+        if ids is not None:
+            return ids
+        if tokenizer not in self._tokens:
+            renderer = await self.renderers.get(tokenizer)
+            body = self.body
+            self._tokens[tokenizer] = None if renderer is None or body is None else (
+                await asyncio.to_thread(renderer.tokens, self.endpoint, dict(body)))
+        return self._tokens[tokenizer]
+
+    def _given_ids(self) -> list[int] | None:
+        """A completion prompt given as token ids needs no tokenizer."""
+        if self.endpoint != "completions" or self.body is None:
+            return None
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if (isinstance(prompt, list) and prompt
+                and all(type(t) is int for t in prompt)):
+            return list(prompt)
+        return None

@@ -1,0 +1,56 @@
+"""The router's own Prometheus metrics (its ``/metrics``), in a registry of its own.
+
+``backend`` is the backend's URL. ``source`` is ``device`` (vLLM's own prefix cache),
+``arena``, a lower tier's name, or ``recomputed``. Predicted sources come from the node
+servers' lookups and the router's device history at routing time; actual ones from the
+response's ``kv_transfer_params.kvtier.tokens`` (whole responses; vLLM 0.32 puts none on
+streamed chunks). Both token counters only count requests whose response said, so they
+compare like with like.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0, 60.0, 120.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvtier_router_requests", "Requests answered, by backend, "
+                                "endpoint and status", ["backend", "endpoint", "status"],
+                                registry=r)
+        self.latency = Histogram("kvtier_router_request_seconds", "Time from receiving a "
+                                 "request to its last byte, by backend", ["backend", "endpoint"],
+                                 buckets=_LATENCY, registry=r)
+        self.first_byte = Histogram("kvtier_router_first_byte_seconds", "Time from receiving "
+                                    "a request to the backend's first byte", ["backend"],
+                                    buckets=_LATENCY, registry=r)
+        self.decisions = Counter("kvtier_router_decisions", "Routing decisions, by strategy "
+                                 "and reason", ["strategy", "reason"], registry=r)
+        self.retries = Counter("kvtier_router_retries", "Attempts that failed before any "
+                               "byte reached the client and were retried elsewhere",
+                               ["backend"], registry=r)
+        self.refused = Counter("kvtier_router_refused", "Requests refused by the router, by "
+                               "reason", ["reason"], registry=r)
+        self.up = Gauge("kvtier_router_backend_up", "1 if the backend is in rotation",
+                        ["backend"], registry=r)
+        self.in_flight = Gauge("kvtier_router_in_flight", "Requests the router has at the "
+                               "backend", ["backend"], registry=r)
+        self.speed = Gauge("kvtier_router_prefill_tokens_per_second", "The backend's "
+                           "measured prefill speed (cache strategy)", ["backend"], registry=r)
+        self.predicted_tokens = Counter("kvtier_router_predicted_tokens", "Prompt tokens by "
+                                        "predicted source", ["backend", "source"], registry=r)
+        self.actual_tokens = Counter("kvtier_router_actual_tokens", "Prompt tokens by the "
+                                     "source the backend reported", ["backend", "source"],
+                                     registry=r)
+        self.hit_source = Counter("kvtier_router_hit_source", "Requests by predicted and "
+                                  "actual main source of their prompt tokens",
+                                  ["predicted", "actual"], registry=r)
+        self.predicted_ttft = Histogram("kvtier_router_predicted_ttft_seconds", "The cache "
+                                        "strategy's TTFT estimate for the backend it chose",
+                                        ["backend"], buckets=_LATENCY, registry=r)
+        self.lookup_failures = Counter("kvtier_router_lookup_failures", "Node-server lookups "
+                                       "that failed or timed out", ["server"], registry=r)

@@ -1,0 +1,173 @@
+"""One attempt at one backend: send the client's bytes, pass the answer back.
+
+- A streamed answer (``text/event-stream``) goes back chunk by chunk as the backend sends it
+  (``readany``: whatever bytes arrived, never waiting for more). The client's response
+  starts only with the backend's first body byte, so a backend that dies before it (while
+  prefilling) can still be replaced: that attempt raises :class:`BackendFailed`.
+- Any other answer is read whole and passed back with its status, headers and body — errors
+  included (a 400 or 500 from vLLM reaches the client as vLLM sent it).
+- A backend failing mid-stream cannot be hidden: the client gets an SSE error event and the
+  connection is closed without the stream's end, so it knows the answer is cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
+                        "proxy-authorization", "te", "trailer", "trailers",
+                        "transfer-encoding", "upgrade", "host", "content-length"})
+_NOT_BACK = HOP_BY_HOP | {"date", "server"}
+BACKEND_HEADER = "X-Kvtier-Backend"
+
+
+class BackendFailed(Exception):
+    """The attempt failed before any byte reached the client: it may be retried."""
+
+    def __init__(self, message: str, *, down: bool) -> None:
+        super().__init__(message)
+        self.down = down
+        """True when the backend itself looks gone (refused, reset): take it out."""
+
+
+@dataclass
+class Outcome:
+    status: int
+    streamed: bool
+    first_byte: float | None = None
+    last_byte: float | None = None
+    chunks: int = 0
+    doc: dict[str, Any] | None = None
+    """The whole answer's JSON (status 200), or the streamed event that carried
+    ``kv_transfer_params`` (none in vLLM 0.32)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def outgoing_headers(client: Mapping[str, str], authorization: str | None,
+                     keep_client_auth: bool) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in client.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or (lower == "authorization" and not keep_client_auth):
+            continue
+        out.add(name, value)
+    if authorization is not None:
+        out["Authorization"] = authorization
+    return out
+
+
+def _back_headers(backend: Mapping[str, str], backend_name: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict(
+        (k, v) for k, v in backend.items() if k.lower() not in _NOT_BACK)
+    out[BACKEND_HEADER] = backend_name
+    return out
+
+
+async def forward(session: aiohttp.ClientSession, url: str, backend_name: str, raw: bytes,
+                  headers: CIMultiDict[str], client: web.Request, timeout: aiohttp.ClientTimeout,
+                  on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
+    try:
+        resp = await session.post(url, data=raw, headers=headers, timeout=timeout,
+                                  skip_auto_headers=("Accept-Encoding", "Content-Type"))
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise BackendFailed(f"{type(exc).__name__}: {exc}", down=True) from exc
+    except TimeoutError as exc:
+        raise BackendFailed("timed out before answering", down=False) from exc
+    async with resp:
+        if resp.content_type == "text/event-stream":
+            return await _stream(resp, backend_name, client, on_first_byte)
+        return await _whole(resp, backend_name, on_first_byte)
+
+
+async def _whole(resp: aiohttp.ClientResponse, backend_name: str,
+                 on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
+    try:
+        body = await resp.read()
+    except (aiohttp.ClientError, OSError) as exc:
+        raise BackendFailed(f"answer cut: {type(exc).__name__}: {exc}", down=True) from exc
+    except TimeoutError as exc:
+        raise BackendFailed("timed out while answering", down=False) from exc
+    now = time.monotonic()
+    on_first_byte(now)
+    outcome = Outcome(resp.status, False, now, now, 1)
+    if resp.status == 200 and resp.content_type == "application/json":
+        try:
+            doc = json.loads(body)
+            outcome.doc = doc if isinstance(doc, dict) else None
+        except ValueError:
+            pass
+    out = web.Response(status=resp.status, reason=resp.reason, body=body,
+                       headers=_back_headers(resp.headers, backend_name))
+    return out, outcome
+
+
+async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.Request,
+                  on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
+    try:
+        first = await resp.content.readany()
+    except (aiohttp.ClientError, OSError) as exc:
+        raise BackendFailed(f"stream cut before its first byte: {exc}", down=True) from exc
+    except TimeoutError as exc:
+        raise BackendFailed("timed out before its first byte", down=False) from exc
+    if not first:
+        raise BackendFailed("stream ended before its first byte", down=True)
+    outcome = Outcome(resp.status, True, time.monotonic())
+    on_first_byte(outcome.first_byte or 0.0)
+    out = web.StreamResponse(status=resp.status, reason=resp.reason,
+                             headers=_back_headers(resp.headers, backend_name))
+    await out.prepare(client)
+    chunk = first
+    while chunk:
+        try:
+            await out.write(chunk)
+        except (ConnectionError, RuntimeError):  # the client went away: stop reading
+            outcome.extra["client_gone"] = True
+            return out, outcome
+        outcome.chunks += 1
+        outcome.last_byte = time.monotonic()
+        if b'"kv_transfer_params"' in chunk:
+            outcome.doc = _event_with_params(chunk) or outcome.doc
+        try:
+            chunk = await resp.content.readany()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            outcome.extra["cut"] = f"{type(exc).__name__}: {exc}"
+            await _cut(out, client)
+            return out, outcome
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await out.write_eof()
+    return out, outcome
+
+
+async def _cut(out: web.StreamResponse, client: web.Request) -> None:
+    event = {"error": {"message": "the backend failed mid-stream", "type": "BackendError",
+                       "code": 502}}
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await out.write(f"data: {json.dumps(event)}\n\n".encode())
+    if client.transport is not None:
+        client.transport.close()  # no final chunk: the client sees a cut stream
+
+
+def _event_with_params(chunk: bytes) -> dict[str, Any] | None:
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data:") and b'"kv_transfer_params"' in line:
+            try:
+                doc = json.loads(line[5:])
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                return doc
+    return None
+
+
+def error_response(status: int, message: str, kind: str = "RouterError") -> web.Response:
+    doc = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(doc, status=status)

@@ -1,0 +1,8 @@
+"""Router tests import their stub backends from this folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,233 @@
+"""OpenAI-shaped stub backends (real aiohttp servers on 127.0.0.1) and a router to test.
+
+A :class:`StubBackend` answers ``/health``, ``/v1/models``, ``/metrics`` and both completion
+endpoints, whole or streamed (SSE, one chunk per token, ``token_s`` apart, the first after
+``ttft_s``), records what it was sent, and can be told to fail. With an
+:class:`EngineModel` it behaves like a kvtier engine for the cache strategy's tests: prompts
+are token ids cut into chunks, one prefill at a time, the chunks a real node server holds
+cost their arrival time, the rest ``tokens / speed``; the prompt's chunks are then stored on
+that node server, and the answer's ``kv_transfer_params.kvtier.tokens`` says where they came
+from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from store_helpers import NS, client_store
+
+from kvtier.client import KvtierClient
+from kvtier.keys import chunk_keys
+from kvtier.protocol import Register
+from kvtier.router.app import Router
+from kvtier.router.config import CostModel, RouterConfig
+from kvtier.server import NodeServer
+
+MODEL = "stub-model"
+
+
+@dataclass
+class EngineModel:
+    """A kvtier engine's prefill, for the cache strategy: chunks held on ``node`` cost their
+    arrival, the rest ``speed`` tokens per second, one request at a time."""
+
+    node: NodeServer
+    chunk_tokens: int = 16
+    speed: float = 2000.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def register(self, tokenizer: str = "/nonexistent/tokenizer") -> None:
+        with KvtierClient(self.node.socket_path) as client:
+            # what the vLLM connector registers, its short namespace included
+            client.call(Register(NS, {"model": "m", "chunk_tokens": self.chunk_tokens,
+                                      "served_model_name": MODEL, "tokenizer": tokenizer,
+                                      "namespace": NS.hex()[:16]}))
+
+    async def prefill(self, tokens: list[int]) -> dict[str, int]:
+        keys = chunk_keys(NS, tokens, self.chunk_tokens)
+        async with self.lock:
+            hit = await asyncio.to_thread(self._lookup, keys)
+            held = {t: 0 for t in hit}
+            for tier in hit:
+                held[tier] += self.chunk_tokens
+            recomputed = len(tokens) - len(hit) * self.chunk_tokens
+            await asyncio.sleep(recomputed / self.speed + 0.002 * len(hit))
+            await asyncio.to_thread(self._store, keys[len(hit):])
+        return {"device": 0, **held, "recomputed": recomputed}
+
+    def _lookup(self, keys: list[Any]) -> list[str]:
+        with KvtierClient(self.node.socket_path) as client:
+            return list(client.lookup(keys))
+
+    def _store(self, keys: list[Any]) -> None:
+        if keys:
+            with KvtierClient(self.node.socket_path) as client:
+                client_store(client, keys)
+
+
+@dataclass
+class StubBackend:
+    ttft_s: float = 0.0
+    token_s: float = 0.0
+    tokens: int = 4
+    api_key: str | None = None
+    engine: EngineModel | None = None
+    status: int = 200
+    """Answer completions with this status (and an OpenAI error body) instead."""
+    hang_first_byte: bool = False
+    """Streams: send headers, then never a byte (until stopped)."""
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    health_headers: list[dict[str, str]] = field(default_factory=list)
+    running: int = 0
+    url: str = ""
+    _runner: web.AppRunner | None = None
+    _port: int = 0
+    _open: set[Any] = field(default_factory=set)
+
+    async def start(self) -> StubBackend:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self._port, reuse_address=True)
+        await site.start()
+        self._port = int(self._runner.addresses[0][1])
+        self.url = f"http://127.0.0.1:{self._port}"
+        return self
+
+    async def kill(self) -> None:
+        """Die at once: every open connection is reset (streams are cut), nothing listens."""
+        for transport in list(self._open):
+            transport.abort()
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Close the listener and the connections (answers in progress get 0.1 s)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _authorized(self, request: web.Request) -> bool:
+        return self.api_key is None or \
+            request.headers.get("Authorization") == f"Bearer {self.api_key}"
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_headers.append(dict(request.headers))
+        return web.Response(status=200 if self._authorized(request) else 401)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return web.json_response({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "owned_by": self.url}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (f"vllm:num_requests_running{{engine=\"0\"}} {self.running}\n"
+                "vllm:num_requests_waiting{engine=\"0\"} 0\n")
+        return web.Response(text=text)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw)
+        self.seen.append({"path": request.path, "body": body,
+                          "headers": dict(request.headers), "at": time.monotonic()})
+        if not self._authorized(request):
+            return web.json_response({"error": {"message": "unauthorized"}}, status=401)
+        if self.status != 200:
+            return web.json_response({"error": {"message": f"stub says {self.status}",
+                                                "code": self.status}}, status=self.status)
+        self.running += 1
+        self._open.add(request.transport)
+        try:
+            sources = await self._prefill(body)
+            if body.get("stream"):
+                return await self._stream(request, body)
+            await asyncio.sleep(self.token_s * max(0, self.tokens - 1))
+            return web.json_response({
+                "id": "cmpl-stub", "object": "text_completion", "model": MODEL,
+                "choices": [{"index": 0, "text": " w" * self.tokens, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": len(body.get("prompt") or ""),
+                          "completion_tokens": self.tokens},
+                "kv_transfer_params": {"kvtier": {"tokens": sources}} if sources else None,
+                "served_by": self.url})
+        finally:
+            self.running -= 1
+            self._open.discard(request.transport)
+
+    async def _prefill(self, body: dict[str, Any]) -> dict[str, int] | None:
+        prompt = body.get("prompt")
+        if self.engine is not None and isinstance(prompt, list):
+            return await self.engine.prefill(prompt)
+        await asyncio.sleep(self.ttft_s)
+        return None
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if self.hang_first_byte:
+            await asyncio.sleep(3600)
+        for i in range(self.tokens):
+            if i:
+                await asyncio.sleep(self.token_s)
+            chunk = {"id": "cmpl-stub", "choices": [{"index": 0, "text": f" w{i}"}],
+                     "served_by": self.url}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def router_config(backends: list[StubBackend], **kw: Any) -> RouterConfig:
+    servers = kw.pop("kvtier_servers", None)
+    cost = kw.pop("cost", CostModel())
+    return RouterConfig(backends=tuple(b.url for b in backends),
+                        kvtier_servers=tuple(servers or [None] * len(backends)),
+                        port=0, health_interval_s=kw.pop("health_interval_s", 0.2),
+                        cost=cost, **kw)
+
+
+@asynccontextmanager
+async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
+    router = Router(config)
+    await router.start()
+    try:
+        yield router
+    finally:
+        await router.close()
+
+
+@asynccontextmanager
+async def stubs(n: int, **kw: Any) -> AsyncIterator[list[StubBackend]]:
+    made = [await StubBackend(**kw).start() for _ in range(n)]
+    try:
+        yield made
+    finally:
+        for stub in made:
+            await stub.stop()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    async with session.post(url, json=body, headers=headers or {}) as resp:
+        text = await resp.text()
+        try:
+            doc: Any = json.loads(text)
+        except ValueError:
+            doc = text
+        return resp.status, doc, dict(resp.headers)
+
+
+def completion(prompt: Any = "hello", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 4, **kw}

@@ -1,0 +1,109 @@
+"""The cache strategy weighs affinity against load: with a shared tier every instance can
+load a prefix, so a burst of requests sharing one spreads over both; with node-local tiers
+only, the instance holding it keeps them (recomputing elsewhere costs more than queueing).
+
+Real node servers (two, each with its own arena; in the shared case one ``fs`` tier in a
+common folder), stub engines that prefill one request at a time at 4000 tokens/s and store
+what they computed on their node server, and the router in front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from store_helpers import NS, SLOT_BYTES
+from stubs import EngineModel, completion, post, router_config, running_router, stubs
+
+from kvtier.client import KvtierClient
+from kvtier.config import ServerConfig
+from kvtier.keys import chunk_keys
+from kvtier.router.config import CostModel
+from kvtier.server import EmbeddedServer, NodeServer
+
+CHUNK = 16
+PREFIX = [9000 + t for t in range(40 * CHUNK)]  # 40 chunks every request shares
+BURST = 24
+
+
+def node(root: Path, shared: Path | None) -> NodeServer:
+    tiers = [] if shared is None else [{
+        "type": "fs", "name": "shared", "capacity_bytes": 64 << 20, "io_threads": 2,
+        "options": {"path": str(shared), "journal_interval_s": 0.05, "poll_s": 0.1,
+                    "sweep_interval_s": 600}}]
+    config = ServerConfig.from_dict({
+        "socket_path": str(root / "kvtier.sock"), "metrics_port": 0, "tiers": tiers,
+        "arena": {"size_bytes": 256 * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+                  "free_target": 0.0}})
+    return EmbeddedServer(config).start()
+
+
+def held_by(server: NodeServer, tokens: list[int]) -> list[str]:
+    with KvtierClient(server.socket_path) as client:
+        return list(client.lookup(chunk_keys(NS, tokens, CHUNK)))
+
+
+async def burst(tmp_path: Path, shared: bool) -> tuple[dict[str, int], Any, list[str]]:
+    nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
+    try:
+        engines = [EngineModel(n, chunk_tokens=CHUNK, speed=4000) for n in nodes]
+        for e in engines:
+            e.register()
+        async with stubs(2) as backends:
+            for b, e in zip(backends, engines, strict=True):
+                b.engine = e
+            servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
+            # everything shares this process's GIL here: give lookups more than the
+            # default 0.1 s, so a burst measures the strategy, not the test's contention
+            cost = CostModel(lookup_timeout_s=2.0)
+            async with running_router(router_config(
+                    backends, strategy="cache", kvtier_servers=servers, cost=cost)) as router, \
+                    aiohttp.ClientSession() as s:
+                await asyncio.sleep(0.3)  # namespaces read
+                url = f"http://127.0.0.1:{router.port}/v1/completions"
+                _, _, h = await post(s, url, completion(PREFIX + [1] * CHUNK))
+                warm = h["X-Kvtier-Backend"]
+                other = next(i for i, b in enumerate(backends) if b.url != warm)
+                if shared:  # wait until the other node's books show the prefix
+                    deadline = time.monotonic() + 10
+                    while len(held_by(nodes[other], PREFIX)) < 40:
+                        assert time.monotonic() < deadline, "journal never caught up"
+                        await asyncio.sleep(0.05)
+                results = await asyncio.gather(*(
+                    post(s, url, completion(PREFIX + [i + 2] * CHUNK)) for i in range(BURST)))
+                assert all(status == 200 for status, _, _ in results)
+                went = [h["X-Kvtier-Backend"] for _, _, h in results]
+                counts = {"warm": went.count(warm), "other": BURST - went.count(warm)}
+                failures = [router.metrics.registry.get_sample_value(
+                    "kvtier_router_lookup_failures_total", {"server": url}) for url in servers]
+                assert failures == [None, None], "every lookup answered"
+                return counts, router.metrics.registry, [b.url for b in backends]
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def decisions(registry: Any, reason: str) -> float:
+    return registry.get_sample_value("kvtier_router_decisions_total",
+                                     {"strategy": "cache", "reason": reason}) or 0.0
+
+
+def test_node_local_tiers_keep_affinity(tmp_path: Path) -> None:
+    counts, registry, _ = asyncio.run(burst(tmp_path, shared=False))
+    print(f"\nnode-local tiers: {counts} of a burst of {BURST}")
+    assert counts["warm"] >= BURST - 1, counts
+    assert decisions(registry, "affinity") >= BURST - 1
+
+
+def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
+    counts, registry, _ = asyncio.run(burst(tmp_path, shared=True))
+    print(f"\nshared tier: {counts} of a burst of {BURST}")
+    assert counts["other"] >= BURST // 4, counts
+    assert counts["warm"] >= BURST // 4, counts
+    assert decisions(registry, "load") >= BURST // 4, "the other won on its queue"
+    shared_hits = registry.get_sample_value("kvtier_router_hit_source_total",
+                                            {"predicted": "shared", "actual": "shared"})
+    assert shared_hits and shared_hits >= 1, "the other instance loaded from the shared tier"

@@ -1,0 +1,94 @@
+"""The pieces of the cache strategy's estimate: the cost model, the queue, the device
+history, the hash ring."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvtier.keys import ChunkKey
+from kvtier.router.cost import Holding, estimate
+from kvtier.router.history import DeviceHistory
+from kvtier.router.load import BackendLoad
+from kvtier.router.ring import HashRing
+from kvtier.router.scrape import engine_gauges
+
+
+def k(i: int) -> ChunkKey:
+    return ChunkKey(hashlib.sha256(str(i).encode()).digest())
+
+
+def test_estimate_loads_what_arrives_before_recomputing_it_would_end() -> None:
+    speed = 1000.0  # tokens/s: a 256-token chunk costs 0.256 s to recompute
+    cold = estimate(1000, 256, Holding(), speed, wait_s=0.5)
+    assert cold.ttft_s == 0.5 + 1.0 and cold.sources == {"recomputed": 1000}
+    arena = estimate(1000, 256, Holding(0, ("arena",) * 3, (0.0,) * 3), speed, 0.0)
+    assert arena.sources == {"arena": 768, "recomputed": 232}
+    assert abs(arena.ttft_s - 0.232) < 1e-9 and arena.dominant == "arena"
+    # the third chunk arrives at 0.9 s: loading it would end later than recomputing it
+    slow = estimate(1000, 256, Holding(0, ("arena", "disk", "disk"), (0.0, 0.1, 0.9)),
+                    speed, 0.0)
+    assert slow.sources == {"arena": 256, "disk": 256, "recomputed": 488}
+    assert abs(slow.load_s - 0.1) < 1e-9
+    device = estimate(1000, 256, Holding(3, ("arena",), (0.0,)), speed, 0.0)
+    assert device.sources == {"device": 768, "recomputed": 232} and device.load_s == 0.0
+    for p in (cold, arena, slow, device):
+        assert sum(p.sources.values()) == 1000
+        assert abs(p.ttft_s - (p.wait_s + p.load_s + p.prefill_s)) < 1e-9
+
+
+def test_the_queue_is_the_prefill_work_ahead() -> None:
+    load = BackendLoad(prefill_tokens_per_s=1000, alpha=0.5)
+    a = load.start(0.4, now=10.0)
+    b = load.start(0.2, now=10.0)
+    assert abs(load.wait_s(10.1) - 0.5) < 1e-9, "0.6 s of work sent at 10.0"
+    load.first_byte(a, now=10.2)  # a prefilled sooner than predicted: b is next
+    assert abs(load.wait_s(10.2) - 0.2) < 1e-9
+    load.finish(a, 10.3)
+    load.finish(b, 10.3)
+    assert load.wait_s(10.3) == 0.0 and load.in_flight == 0
+    load.observe(running=3, waiting=1)  # four the router did not send
+    assert load.others == 4 and load.wait_s(10.3) > 0
+    first = load.start(0.1, 11.0)
+    second = load.start(0.1, 11.0)
+    assert not load.finish(first, 11.2).alone and not load.finish(second, 11.2).alone
+
+
+def test_device_history_expires_by_time_and_size() -> None:
+    now = [0.0]
+    history = DeviceHistory(ttl_s=10, clock=lambda: now[0])
+    history.record(0, [k(1), k(2), k(3)], capacity_chunks=4)
+    assert history.held(0, [k(1), k(2), k(3), k(4)]) == 3
+    assert history.held(1, [k(1)]) == 0
+    history.record(0, [k(1), k(5)], capacity_chunks=3)  # k(2) is now the oldest: out
+    assert history.size(0) == 3 and history.held(0, [k(1), k(2)]) == 1
+    now[0] = 10.5
+    assert history.held(0, [k(1)]) == 0, "older than the TTL"
+    history.forget(0)
+    assert history.size(0) == 0
+
+
+def test_a_member_leaving_the_ring_moves_only_its_keys() -> None:
+    members = ["a", "b", "c", "d"]
+    ring = HashRing(members)
+    keys = [f"s{i}".encode() for i in range(400)]
+    before = {key: ring.pick(key, lambda _m: True) for key in keys}
+    assert set(before.values()) == set(members)
+    counts = [list(before.values()).count(m) for m in members]
+    assert min(counts) > 50, f"virtual nodes spread keys: {counts}"
+    after = {key: ring.pick(key, lambda m: m != "b") for key in keys}
+    for key in keys:
+        if before[key] != "b":
+            assert after[key] == before[key]
+        else:
+            assert after[key] != "b"
+    assert ring.pick(b"x", lambda _m: False) is None
+
+
+def test_engine_gauges_from_vllm_metrics() -> None:
+    text = ('# HELP vllm:num_requests_running ...\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
+    gauges = engine_gauges(text)
+    assert (gauges.running, gauges.waiting, gauges.device_tokens) == (2, 3, 16000)
+    assert engine_gauges("").device_tokens is None

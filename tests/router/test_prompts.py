@@ -1,0 +1,108 @@
+"""The router's prompt tokens follow vLLM's OpenAI server (the vLLM end-to-end test checks
+them against a running engine; these pin the rules on the demo tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvtier.keys import chunk_keys
+from kvtier.router.keys import NamespaceInfo, Renderers, RequestKeys, pick_namespace
+from kvtier.router.prompts import PromptRenderer, content_format
+
+LOOPING = ("{% for m in messages %}<{{ m['role'] }}>{% for part in m['content'] %}"
+           "[{{ part['text'] }}]{% endfor %}{% endfor %}{% if add_generation_prompt %}<a>"
+           "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def renderer() -> PromptRenderer:
+    from kvtier.demo import ensure_demo_model
+
+    return PromptRenderer(str(ensure_demo_model()))
+
+
+def test_completions_encode_with_special_tokens_unless_told(renderer: PromptRenderer) -> None:
+    tok = renderer.tokenizer
+    text = "The quick brown fox"
+    assert renderer.tokens("completions", {"prompt": text}) == \
+        tok(text, add_special_tokens=True)["input_ids"]
+    assert renderer.tokens("completions", {"prompt": text, "add_special_tokens": False}) == \
+        tok(text, add_special_tokens=False)["input_ids"]
+    assert renderer.tokens("completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert renderer.tokens("completions", {"prompt": [[5, 6], [8]]}) == [5, 6]
+    assert renderer.tokens("completions", {"prompt": ["a b", "c"]}) == \
+        tok("a b", add_special_tokens=True)["input_ids"]
+    assert renderer.tokens("completions", {"prompt": text, "truncate_prompt_tokens": 3}) is None
+
+
+def test_chat_renders_the_template_to_text_then_encodes_without_specials(
+        renderer: PromptRenderer) -> None:
+    tok = renderer.tokenizer
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "one"},
+                                             {"type": "text", "text": "two"}]}]
+    joined = [messages[0], {"role": "user", "content": "one\ntwo"}]
+    text = tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
+    assert renderer.tokens("chat", {"messages": messages}) == \
+        tok(text, add_special_tokens=False)["input_ids"]
+    open_text = tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=False)
+    assert renderer.tokens("chat", {"messages": messages, "add_generation_prompt": False}) == \
+        tok(open_text, add_special_tokens=False)["input_ids"]
+    assert renderer.tokens("chat", {"messages": messages, "add_special_tokens": True}) == \
+        tok(text, add_special_tokens=True)["input_ids"]
+
+
+def test_a_template_that_loops_over_content_gets_the_parts(renderer: PromptRenderer) -> None:
+    assert content_format(LOOPING) == "openai"
+    assert content_format(renderer.tokenizer.get_chat_template()) == "string"
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                      {"type": "text", "text": "y"}]}],
+            "chat_template": LOOPING}
+    want = renderer.tokenizer("<user>[x][y]<a>", add_special_tokens=False)["input_ids"]
+    assert renderer.tokens("chat", body) == want
+
+
+def test_what_it_cannot_reproduce_gives_no_tokens(renderer: PromptRenderer) -> None:
+    image = {"role": "user", "content": [{"type": "image_url",
+                                          "image_url": {"url": "http://x/y.png"}}]}
+    assert renderer.tokens("chat", {"messages": [image]}) is None
+    tools: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
+                             "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert renderer.tokens("chat", tools) is None
+    assert renderer.tokens("chat", {"messages": []}) is None
+    assert renderer.tokens("completions", {"prompt": {"no": 1}}) is None
+
+
+def test_keys_follow_the_namespace_and_the_cache_salt() -> None:
+    ns = NamespaceInfo(b"\x01" * 32, 4, "/nonexistent", "m")
+    other = NamespaceInfo(b"\x02" * 32, 4, "/nonexistent", "m")
+    ids = list(range(10))
+
+    async def keys(body: dict[str, Any], space: NamespaceInfo) -> Any:
+        got = await RequestKeys("completions", body, Renderers()).keys(space)
+        assert got is not None
+        return got.keys
+
+    plain = asyncio.run(keys({"prompt": ids}, ns))
+    assert list(plain) == chunk_keys(ns.fingerprint, ids, 4) and len(plain) == 2
+    salted = asyncio.run(keys({"prompt": ids, "cache_salt": "tenant-a"}, ns))
+    assert list(salted) == chunk_keys(ns.fingerprint, ids, 4, ("salt:tenant-a",))
+    assert salted != plain
+    assert asyncio.run(keys({"prompt": ids}, other)) != plain
+
+
+def test_the_latest_namespace_of_a_model_wins() -> None:
+    old = NamespaceInfo(b"\x01" * 32, 256, "/t", "m")
+    new = NamespaceInfo(b"\x02" * 32, 256, "/t", "m")
+    other = NamespaceInfo(b"\x03" * 32, 256, "/t", "n")
+    assert pick_namespace([old, new, other], "m") is new
+    assert pick_namespace([old, new, other], None) is None, "two models: which one?"
+    assert pick_namespace([old, new], None) is new
+    assert pick_namespace([other], "m") is None
+    assert NamespaceInfo.parse({"namespace": "zz", "chunk_tokens": 1}) is None
+    parsed = NamespaceInfo.parse({"namespace": "01" * 32, "chunk_tokens": 256, "model": "/p",
+                                  "served_model_name": "m"})
+    assert parsed == NamespaceInfo(b"\x01" * 32, 256, "/p", "m")
