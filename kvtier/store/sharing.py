@@ -69,7 +69,8 @@ class Sharing:
         self._touched: OrderedDict[ChunkKey, float] = OrderedDict()
         self._to_touch: list[tuple[ChunkKey, bytes]] = []
         self._busy: set[str] = set()
-        self._due: dict[str, float] = {}
+        self._due: dict[str, float] = {"sweep": time.monotonic() + self.opts.sweep_interval_s}
+        """When each kind of job is next due (the first sweep waits one interval)."""
         self._sweeps = IOPool(f"{state.name}-sweep", 1,
                               max(state.config.io_timeout_s, 4 * self.opts.sweep_interval_s))
         self._stop = threading.Event()
