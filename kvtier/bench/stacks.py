@@ -291,12 +291,50 @@ def _start_lmcache(env: StackEnv) -> Stack:
     return launch(env, [server, vllm], port)
 
 
+def _start_arena_shared(env: StackEnv) -> Stack:
+    """One instance whose only lower tier is a shared fs tier (as a node of a fleet would)."""
+    port = free_port()
+    config = env.workdir / "server.yaml"
+    env.workdir.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps({
+        "socket_path": str(env.workdir / "kvtier.sock"),
+        "arena": {"size_bytes": env.arena_bytes},
+        "tiers": [{"type": "fs", "name": "shared", "capacity_bytes": env.disk_bytes,
+                   "options": {"path": str(env.workdir / "shared")}}]}))
+    argv = _kvtier(env, port, disk=False)
+    argv[argv.index("--no-disk")] = "--server-config"
+    argv.insert(argv.index("--server-config") + 1, str(config))
+    return launch(env, [engine("kvtier-serve", argv, port)], port)
+
+
+def _two_instances(router: str, policy: str) -> Callable[[StackEnv], Stack]:
+    """``kvtier serve --instances 2`` (one core each, one shared fs tier) behind ``router``."""
+    def start(env: StackEnv) -> Stack:
+        port = free_port()
+        argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
+                "--port", str(port), "--router", router, "--router-policy", policy,
+                "--shared", str(env.workdir / "shared"), "--shared-size", str(env.disk_bytes),
+                "--arena-size", str(env.arena_bytes), "--run-dir", str(env.workdir / "stack"),
+                "--served-model-name", env.served_name, "--chunk-tokens",
+                str(env.chunk_tokens), "--enable-prefix-caching", *env.engine_args]
+        return launch(env, [engine(f"stack-{router}-{policy}", argv, port)], port)
+    return start
+
+
 register_stack("device", "plain vLLM, prefix caching on (the device cache only)", _start_device)
 register_stack("device+noop", "plain vLLM with a connector that does nothing "
                "(kvtier.vllm.noop): what configuring any connector changes in vLLM",
                _start_noop)
 register_stack("arena", "kvtier serve: device + host-RAM arena", _start_arena)
 register_stack("arena+disk", "kvtier serve: device + arena + disk tier", _start_arena_disk)
+register_stack("arena+shared", "kvtier serve: device + arena + a shared fs tier",
+               _start_arena_shared)
+register_stack("2x+roundrobin", "two instances (a core each, one shared fs tier) behind kvtier "
+               "route, round robin", _two_instances("kvtier", "roundrobin"))
+register_stack("2x+cache", "two instances (a core each, one shared fs tier) behind kvtier "
+               "route, cache-aware", _two_instances("kvtier", "cache"))
+register_stack("2x+vllm-router", "two instances (a core each, one shared fs tier) behind "
+               "vLLM's own router (cache_aware)", _two_instances("vllm-router", "cache_aware"))
 register_stack("example", "vLLM's ExampleConnector (KV files in a folder)", _start_example)
 register_stack("lmcache", "LMCache multi-process server + LMCacheMPConnector (own venv)",
                _start_lmcache)
