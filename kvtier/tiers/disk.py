@@ -19,29 +19,22 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 from kvtier import codec
-from kvtier.config import ConfigStruct, TierConfig, parse
+from kvtier.config import TierConfig, parse
 from kvtier.errors import ConfigError, CorruptChunkError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.processes import alive
+from kvtier.tiers import files
 from kvtier.tiers.base import LowerTier, Space, StoredChunk
-from kvtier.tiers.files import FileIO, listdir, os_errors, probe_o_direct, temp_name
+from kvtier.tiers.files import FileIO, FileOptions, choose_o_direct, listdir, os_errors, temp_name
 
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _CHUNK_NAME = re.compile(r"([0-9a-f]{64})\.kvc")
 
 
-class DiskOptions(ConfigStruct, frozen=True):
-    path: str
-    o_direct: Literal["auto", "on", "off"] = "auto"
-    fsync: bool = True
-    dir_fsync: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("path: expected a directory path, got an empty string")
+DiskOptions = FileOptions
 
 
 class DiskTier(LowerTier):
@@ -60,22 +53,12 @@ class DiskTier(LowerTier):
             self._make_folders()
         except OSError as exc:
             raise ConfigError(f"{where}.path: cannot use {self.root!r}: {exc}") from exc
-        self.o_direct = self._choose_o_direct(where)
+        self.o_direct = choose_o_direct(self.options, self._tmp, where)
         self.io = FileIO(self.o_direct, self.options.fsync, self.options.dir_fsync)
 
     def _make_folders(self) -> None:
         for directory in (self._chunks, self._tmp, self._quarantine):
             os.makedirs(directory, mode=0o700, exist_ok=True)
-
-    def _choose_o_direct(self, where: str) -> bool:
-        if self.options.o_direct == "off":
-            return False
-        with os_errors("disk", "probing O_DIRECT"):
-            supported = probe_o_direct(self._tmp)
-        if self.options.o_direct == "on" and not supported:
-            raise ConfigError(f"{where}.o_direct: the filesystem of {self.root!r} refuses "
-                              "O_DIRECT; use auto or off")
-        return supported
 
     def write(self, key: ChunkKey, data: memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -117,11 +100,7 @@ class DiskTier(LowerTier):
                     yield found
 
     def space(self) -> Space | None:
-        try:
-            info = os.statvfs(self.root)
-        except OSError:
-            return None
-        return Space(free=info.f_bavail * info.f_frsize, total=info.f_blocks * info.f_frsize)
+        return files.space(self.root)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self.root, "o_direct": self.o_direct,

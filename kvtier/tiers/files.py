@@ -17,14 +17,54 @@ import secrets
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from kvtier import codec
-from kvtier.errors import CorruptChunkError, TierFull, TierIOError
+from kvtier.config import ConfigStruct
+from kvtier.errors import ConfigError, CorruptChunkError, TierFull, TierIOError
+from kvtier.tiers.base import Space
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+class FileOptions(ConfigStruct, frozen=True):
+    """``options`` of a tier keeping one file per chunk (``disk``; ``fs`` besides its sharing
+    keys)."""
+
+    path: str
+    o_direct: Literal["auto", "on", "off"] = "auto"
+    fsync: bool = True
+    dir_fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("path: expected a directory path, got an empty string")
+
+
+def choose_o_direct(options: FileOptions, tmp: str, where: str) -> bool:
+    """Whether to use O_DIRECT under ``tmp``: ``auto`` probes, ``on`` insists."""
+    if options.o_direct == "off":
+        return False
+    try:
+        supported = probe_o_direct(tmp)
+    except OSError as exc:
+        raise ConfigError(f"{where}.path: cannot use {tmp!r}: {exc}") from exc
+    if options.o_direct == "on" and not supported:
+        raise ConfigError(f"{where}.o_direct: the filesystem of {tmp!r} refuses O_DIRECT; "
+                          "use auto or off")
+    return supported
+
+
+def space(path: str) -> Space | None:
+    """Room on the filesystem holding ``path`` (``None`` when it cannot be asked)."""
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return None
+    return Space(free=info.f_bavail * info.f_frsize, total=info.f_blocks * info.f_frsize)
 
 
 @contextlib.contextmanager

@@ -19,14 +19,15 @@ import contextlib
 import os
 import secrets
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 from kvtier import codec
-from kvtier.config import ConfigStruct, TierConfig, parse
+from kvtier.config import TierConfig, parse
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
+from kvtier.tiers import files
 from kvtier.tiers.base import Space, StoredChunk
-from kvtier.tiers.files import FileIO, listdir, os_errors, probe_o_direct, temp_name
+from kvtier.tiers.files import FileIO, FileOptions, choose_o_direct, listdir, os_errors, temp_name
 from kvtier.tiers.shared import (
     CHUNK_FILE,
     NAMESPACE_HEX,
@@ -36,16 +37,7 @@ from kvtier.tiers.shared import (
     split_options,
 )
 
-
-class FsOptions(ConfigStruct, frozen=True):
-    path: str
-    o_direct: Literal["auto", "on", "off"] = "auto"
-    fsync: bool = True
-    dir_fsync: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("path: expected a directory path, got an empty string")
+FsOptions = FileOptions
 
 
 class FsTier(SharedTier):
@@ -60,12 +52,9 @@ class FsTier(SharedTier):
         try:
             for folder in ("chunks", "notes", "tmp"):
                 os.makedirs(os.path.join(self.root, folder), mode=0o700, exist_ok=True)
-            direct = self.options.o_direct != "off" and probe_o_direct(self._tmp)
         except OSError as exc:
             raise ConfigError(f"{where}.path: cannot use {self.root!r}: {exc}") from exc
-        if self.options.o_direct == "on" and not direct:
-            raise ConfigError(f"{where}.o_direct: the filesystem of {self.root!r} refuses "
-                              "O_DIRECT; use auto or off")
+        direct = choose_o_direct(self.options, self._tmp, where)
         self.io = FileIO(direct, self.options.fsync, self.options.dir_fsync)
 
     def _path(self, name: str) -> str:
@@ -170,11 +159,7 @@ class FsTier(SharedTier):
         return removed
 
     def space(self) -> Space | None:
-        try:
-            info = os.statvfs(self.root)
-        except OSError:
-            return None
-        return Space(free=info.f_bavail * info.f_frsize, total=info.f_blocks * info.f_frsize)
+        return files.space(self.root)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self.root, "shared": True,

@@ -5,21 +5,16 @@ missing."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from service_fixtures import ALLOW_MISSING
+from service_fixtures import left_out
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 NEEDS = {"test_shared_s3.py": "boto3"}
-collect_ignore = (
-    [name for name, module in NEEDS.items() if importlib.util.find_spec(module) is None]
-    if os.environ.get(ALLOW_MISSING) == "1" else []
-)
+_, collect_ignore = left_out(NEEDS)
 
 
 @pytest.fixture(scope="session")

@@ -1,24 +1,18 @@
 """The service tests need the shared tiers' client libraries (``pip install -e '.[shared]'``).
+The fixtures themselves live in tests/service_fixtures.py.
 
-Without them the modules that import them fail to collect, with the ImportError, unless
+Without them their modules fail to collect, with the ImportError, unless
 KVTIER_ALLOW_MISSING_SERVICES=1 (a developer machine): then they are left out and the header
-says so. The fixtures themselves live in tests/service_fixtures.py.
+says so (``service_fixtures.left_out``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-from service_fixtures import ALLOW_MISSING
+from service_fixtures import left_out
 
 NEEDS = {"test_seaweedfs_s3.py": "boto3", "test_redis_server.py": "redis",
          "test_baselines.py": "boto3"}
-MISSING = sorted({m for m in NEEDS.values() if importlib.util.find_spec(m) is None})
-collect_ignore = (
-    [name for name, module in NEEDS.items() if module in MISSING]
-    if os.environ.get(ALLOW_MISSING) == "1" else []
-)
+MISSING, collect_ignore = left_out(NEEDS)
 
 
 def pytest_report_header() -> str | None:

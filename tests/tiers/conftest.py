@@ -1,23 +1,18 @@
-"""The s3 tier's tests need boto3 (``pip install -e '.[shared]'``).
+"""The s3 and redis tiers' tests need boto3 and redis-py (``pip install -e '.[shared]'``).
 
-Without it their modules fail to collect, with the ImportError, unless
+Without them their modules fail to collect, with the ImportError, unless
 KVTIER_ALLOW_MISSING_SERVICES=1 (a developer machine): then they are left out and the header
-says so (the same rule as tests/services/conftest.py).
+says so (``service_fixtures.left_out``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+from service_fixtures import left_out
 
-from service_fixtures import ALLOW_MISSING
-
-NEEDS = {"test_s3.py": "boto3", "test_s3_config.py": "boto3", "test_s3_faults.py": "boto3"}
-MISSING = sorted({m for m in NEEDS.values() if importlib.util.find_spec(m) is None})
-collect_ignore = (
-    [name for name, module in NEEDS.items() if module in MISSING]
-    if os.environ.get(ALLOW_MISSING) == "1" else []
-)
+NEEDS = {"test_s3.py": "boto3", "test_s3_config.py": "boto3", "test_s3_faults.py": "boto3",
+         "test_redis.py": "redis", "test_redis_auth.py": "redis",
+         "test_redis_eviction.py": "redis", "test_redis_options.py": "redis"}
+MISSING, collect_ignore = left_out(NEEDS)
 
 
 def pytest_report_header() -> str | None:
