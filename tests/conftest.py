@@ -7,7 +7,7 @@ share or leak shared memory, even when they run in parallel processes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +21,12 @@ from service_fixtures import (  # noqa: F401  (fixtures: real services on loopba
     seaweed_mount,
     seaweedfs,
 )
-from store_helpers import SLOT_BYTES, build_store, tier_config
+from store_helpers import MakeServer, MakeStore, build_store, server_config
 
 from kvtier.client import KvtierClient
-from kvtier.config import ServerConfig
 from kvtier.server import EmbeddedServer, NodeServer
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import shm_path
-
-MakeStore = Callable[..., TieredStore]
-MakeServer = Callable[..., NodeServer]
 
 
 @pytest.fixture
@@ -47,18 +43,6 @@ def make_store() -> Iterator[MakeStore]:
     for store in stores:
         store.close(drain_s=5)
         assert not os.path.exists(shm_path(store.arena.name)), "arena left in /dev/shm"
-
-
-def server_config(root: Path, *, slots: int = 8, disk_bytes: int | None = None,
-                  **extra: Any) -> ServerConfig:
-    tiers = [tier_config(root, disk_bytes)] if disk_bytes is not None else []
-    return ServerConfig.from_dict({
-        "socket_path": str(root / "kvtier.sock"),
-        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
-                  "free_target": 0.0},
-        "tiers": tiers,
-        **extra,
-    })
 
 
 @pytest.fixture

@@ -31,6 +31,10 @@ from kvtier.store.iopool import IOPool
 from kvtier.store.records import ItemState
 
 NS = hashlib.sha256(b"kvtier tests").digest()
+MakeStore = Callable[..., TieredStore]
+"""The ``make_store`` fixture: ``make_store(tmp_path, slots=6, disk_bytes=None, ...)``."""
+MakeServer = Callable[..., NodeServer]
+"""The ``make_server`` fixture: ``make_server(slots=8, disk_bytes=None, **server_config)``."""
 SLOT_BYTES = 8192
 PAYLOAD = 1000
 TOKENS = 16
@@ -92,6 +96,18 @@ def build_store(root: Path, *, slots: int = 6, disk_bytes: int | None = None,
     if clock is None:
         return TieredStore(config, arena_name=arena_name())
     return TieredStore(config, arena_name=arena_name(), clock=clock)
+
+
+def server_config(root: Path, *, slots: int = 8, disk_bytes: int | None = None,
+                  **extra: Any) -> ServerConfig:
+    tiers = [tier_config(root, disk_bytes)] if disk_bytes is not None else []
+    return ServerConfig.from_dict({
+        "socket_path": str(root / "kvtier.sock"),
+        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+                  "free_target": 0.0},
+        "tiers": tiers,
+        **extra,
+    })
 
 
 def store_chunks(store: TieredStore, chunk_keys: Sequence[ChunkKey], fill: int = 0, *,

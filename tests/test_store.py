@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import MakeStore
 from store_helpers import (
     NS,
     PAYLOAD,
     SLOT_BYTES,
     TOKENS,
+    MakeStore,
     expected,
     keys,
     load,

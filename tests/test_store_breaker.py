@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MakeStore
 from store_helpers import (
     CHUNK_BYTES,
+    MakeStore,
     expected,
     keys,
     load,

@@ -11,12 +11,12 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import MakeStore
 from store_helpers import (
     CHUNK_BYTES,
     NS,
     PAYLOAD,
     TOKENS,
+    MakeStore,
     expected,
     keys,
     load,

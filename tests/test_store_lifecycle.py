@@ -6,12 +6,13 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import MakeServer, MakeStore
 from store_helpers import (
     NS,
     PAYLOAD,
     SLOT_BYTES,
     TOKENS,
+    MakeServer,
+    MakeStore,
     build_store,
     expected,
     keys,

@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import MakeStore
 from store_helpers import (
     CHUNK_BYTES,
     NS,
     PAYLOAD,
     TOKENS,
+    MakeStore,
     disk_files,
     expected,
     keys,

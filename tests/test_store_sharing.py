@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MakeStore
 from store_helpers import (
     CHUNK_BYTES,
     NS,
+    MakeStore,
     expected,
     keys,
     load,

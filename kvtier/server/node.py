@@ -38,6 +38,7 @@ from kvtier.tiers import arena
 
 log = logging.getLogger("kvtier.server")
 HOUSEKEEPING_S = 0.5
+REFUSING = 16
 
 
 class NodeServer:
@@ -54,6 +55,7 @@ class NodeServer:
         self._conns: dict[int, socket.socket] = {}
         self._conn_ids = itertools.count(1)
         self._stop = threading.Event()
+        self._refusing = threading.BoundedSemaphore(REFUSING)
         self._threads: list[threading.Thread] = []
         self._http: NodeHTTP | None = None
 
@@ -165,11 +167,25 @@ class NodeServer:
                              name=f"kvtier-conn-{conn_id}").start()
 
     def _refuse(self, conn: socket.socket, error: Error) -> None:
+        """Answer a connection over the cap with ``error`` and close it, without holding up
+        the accept loop: the refusal reads the client's hello first (briefly), so the client
+        sees the error, not a reset. At most REFUSING refusals at once; beyond, just close."""
         self.metrics.protocol_errors.inc()
-        with contextlib.suppress(OSError):
-            conn.settimeout(1.0)
-            conn.sendall(encode(error))
-        conn.close()
+        if not self._refusing.acquire(blocking=False):
+            conn.close()
+            return
+
+        def refuse() -> None:
+            try:
+                with contextlib.suppress(OSError, ProtocolError):
+                    conn.settimeout(1.0)
+                    read_frame(conn, self.config.max_message_bytes)
+                    conn.sendall(encode(error))
+            finally:
+                conn.close()
+                self._refusing.release()
+
+        threading.Thread(target=refuse, daemon=True, name="kvtier-refuse").start()
 
     def _serve(self, conn: socket.socket, conn_id: int) -> None:
         assert self.service is not None and self.sessions is not None

@@ -37,22 +37,24 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier.codec import HEADER_SIZE, stored_size
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError, InvalidRequest
-from kvtier.keys import KEY_BYTES, ChunkKey
+from kvtier.keys import ChunkKey
 from kvtier.metrics import StoreMetrics
 from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy, check_priority
+from kvtier.store import views
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.breaker import BreakerState
+from kvtier.store.checks import check_keys, check_reserve
 from kvtier.store.events import Event, EventLog
 from kvtier.store.holdings import Holdings
 from kvtier.store.housekeeping import Housekeeper
 from kvtier.store.integrity import check_store
 from kvtier.store.leases import LeaseTable
+from kvtier.store.loads import Loads
 from kvtier.store.lower import LowerTierState
 from kvtier.store.promotions import Promotions
-from kvtier.store.records import Entry, ItemState, LeaseItem, LeaseRecord, Where
+from kvtier.store.records import Entry, LeaseRecord, Where
 from kvtier.store.sharing import Sharing
 from kvtier.store.writes import Writes
 from kvtier.tiers.arena import Arena
@@ -101,6 +103,7 @@ class TieredStore:
         self.leases = LeaseTable()
         self.promotions = Promotions(self.index, self.leases, self.metrics, self._cond, clock)
         self.writes = Writes(self.index, self.tiers, self.metrics, self._cond, self._reading)
+        self.loads = Loads(self)
         write_back = any(t.write_back for t in self.tiers)
         # Freeing ahead of need only pays when freeing means a write (write-back).
         ac = config.arena
@@ -194,7 +197,7 @@ class TieredStore:
         return self.lookup_hit(keys).tiers
 
     def lookup_hit(self, keys: Sequence[ChunkKey]) -> Hit:
-        _check_keys(keys)
+        check_keys(keys)
         now = self.clock()
         with self._locked("lookup"):
             tiers: list[str] = []
@@ -246,7 +249,8 @@ class TieredStore:
 
         Raises InvalidRequest when the payload cannot fit a slot or a value is out of range.
         """
-        self._check_reserve(namespace_fp, keys, payload_len, tokens, priority, first_index)
+        check_reserve(namespace_fp, keys, payload_len, tokens, priority, first_index,
+                      self.index.arena.slot_bytes)
         deadline = self.clock() + self.config.lease_ttl_s
         slots: list[int | None] = []
         with self._locked("reserve"):
@@ -261,24 +265,6 @@ class TieredStore:
                         self._abort_one(key, None)
                 raise
         return slots
-
-    def _check_reserve(self, namespace_fp: bytes, keys: Sequence[ChunkKey], payload_len: int,
-                       tokens: int, priority: int, first_index: int) -> None:
-        _check_keys(keys)
-        try:
-            check_priority(priority)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        if len(namespace_fp) != 32:
-            raise InvalidRequest(f"namespace_fp must be 32 bytes, got {len(namespace_fp)}")
-        if not 0 < tokens < 2**32 or not 0 <= first_index < 2**32:
-            raise InvalidRequest(f"tokens ({tokens}) and first_index ({first_index}) must be "
-                                 "in [1, 2**32) and [0, 2**32)")
-        if payload_len <= 0 or stored_size(payload_len) > self.index.arena.slot_bytes:
-            raise InvalidRequest(
-                f"payload_len {payload_len} does not fit an arena slot of "
-                f"{self.index.arena.slot_bytes} bytes (at most "
-                f"{self.index.arena.slot_bytes - HEADER_SIZE} payload bytes)")
 
     def _reserve_one(self, owner: int, key: ChunkKey, deadline: float, namespace_fp: bytes,
                      tokens: int, payload_len: int, priority: int, prefix_tokens: int
@@ -312,7 +298,7 @@ class TieredStore:
         callers. Chunks are inserted tail first, so the head of a prefix is the most
         recently used.
         """
-        _check_keys(keys)
+        check_keys(keys)
         count = 0
         with self._locked("commit"):
             for key in reversed(keys):
@@ -330,7 +316,7 @@ class TieredStore:
 
     def abort(self, keys: Sequence[ChunkKey], owner: int | None = None) -> int:
         """Drop reserved chunks of ``owner`` (any, for ``None``); returns how many."""
-        _check_keys(keys)
+        check_keys(keys)
         with self._locked("abort"):
             count = sum(self._abort_one(key, owner) for key in keys)
             self._cond.notify_all()
@@ -344,7 +330,7 @@ class TieredStore:
         return True
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
-        _check_keys(keys)
+        check_keys(keys)
         try:
             check_priority(priority)
         except ValueError as exc:
@@ -358,137 +344,17 @@ class TieredStore:
     # ------------------------------------------------------------------ two-phase load
 
     def lease(self, owner: int, keys: Sequence[ChunkKey]) -> LeaseRecord:
-        """Lease the longest available prefix of ``keys``; promote lower-tier chunks.
-
-        In this order, so that the same requests always leave the same state::
-
-            1 pin        arena chunks of the prefix are leased (cannot be evicted)
-            2 slots      lower-tier chunks get slots head first; eviction never takes a
-                         chunk of this prefix; no slot -> the lease ends before that chunk
-            3 uses       every leased chunk is one use for admission below
-            4 recency    tail first: arena chunks touched, promoted chunks inserted, so the
-                         head of a prefix is the most recent (a prefix is useful from its head)
-            5 I/O        promotions are read in the background; ``wait`` reports them
-        """
-        _check_keys(keys)
-        deadline = self.clock() + self.config.lease_ttl_s
-        with self._locked("lease"):
-            prefix: list[tuple[ChunkKey, str]] = []
-            for key in keys:
-                tier = self._servable(key)
-                if tier is None:
-                    break
-                prefix.append((key, tier))
-            pinned = self._pin_arena_chunks(prefix)
-            items, started = self._lease_items(prefix, pinned)
-            for item in items:  # a chunk cut off the lease is offered to reserve instead
-                self._record_use(item.key)
-            for item, (_key, tier) in zip(reversed(items), reversed(prefix[:len(items)]),
-                                          strict=True):
-                self._touch_leased(self.index.entries[item.key], item, tier)
-            record = self.leases.open(owner, items, deadline)
-            for entry, state in started:
-                self.promotions.start(entry, state)
-            self.metrics.leases_active.set(len(self.leases))
-        for item in items:
-            self.metrics.hits.labels(item.tier).inc()
-        return record
-
-    def _pin_arena_chunks(self, prefix: list[tuple[ChunkKey, str]]) -> dict[ChunkKey, LeaseItem]:
-        pinned: dict[ChunkKey, LeaseItem] = {}
-        for key, tier in prefix:
-            if tier == ARENA:
-                entry = self.index.entries[key]
-                self.index.pin(entry)
-                pinned[key] = LeaseItem(key, entry.slot, ARENA, ItemState.READY)
-        return pinned
-
-    def _lease_items(self, prefix: list[tuple[ChunkKey, str]], pinned: dict[ChunkKey, LeaseItem]
-                     ) -> tuple[list[LeaseItem], list[tuple[Entry, LowerTierState]]]:
-        """Items for the prefix, head first, with slots for the promotions they need."""
-        items: list[LeaseItem] = []
-        started: list[tuple[Entry, LowerTierState]] = []
-        try:
-            for key, tier in prefix:
-                item = pinned.get(key) or self._promotion_item(key, tier, started)
-                if item is None:
-                    break
-                items.append(item)
-        except BaseException:  # undo, so a failure leaves nothing pinned or half-started
-            for entry, _state in started:
-                self.index.drop(entry)
-            for item in pinned.values():
-                self.index.unpin(item.slot)
-            raise
-        for key, _tier in prefix[len(items):]:  # the prefix ends here: unpin the tail
-            tail = pinned.get(key)
-            if tail is not None:
-                self.index.unpin(tail.slot)
-        return items, started
-
-    def _promotion_item(self, key: ChunkKey, tier: str,
-                        started: list[tuple[Entry, LowerTierState]]) -> LeaseItem | None:
-        entry = self.index.get(key)
-        if entry is not None:  # another lease is already reading it in
-            assert entry.reading is not None
-            return LeaseItem(key, entry.slot, entry.reading, ItemState.PENDING)
-        state = self.tiers_by_name[tier]
-        priority = state.policy.priority(key)
-        entry = self._take(key, Where.PROMOTING, DEFAULT_PRIORITY if priority is None
-                           else priority)
-        if entry is None:
-            self.metrics.store_refusals.labels("arena_full_promote").inc()
-            return None
-        started.append((entry, state))
-        return self.promotions.begin(entry, state)
-
-    def _touch_leased(self, entry: Entry, item: LeaseItem, tier: str) -> None:
-        if tier == ARENA:
-            self.index.touch(entry.key)
-            self.writes.through(entry)
-        elif entry.key in self.index.policy:
-            self.index.touch(entry.key)  # joined a promotion already under way
-        else:
-            self.tiers_by_name[tier].policy.touch(entry.key)
-            self.index.join_order(entry)
+        """Lease the longest available prefix of ``keys`` (see :mod:`kvtier.store.loads`)."""
+        return self.loads.lease(owner, keys)
 
     def wait(self, lease_id: int, timeout_s: float, owner: int | None = None) -> LeaseRecord:
-        """Block until the lease has no pending chunk or the timeout passes.
-
-        Waiting renews the lease: a client that asks is alive."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        with self._cond:
-            record = self.leases.get(lease_id, owner)
-            self.leases.renew(lease_id, self.clock() + self.config.lease_ttl_s)
-            while not record.done and not self._closed and not record.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            return record
+        return self.loads.wait(lease_id, timeout_s, owner)
 
     def release(self, lease_id: int, owner: int | None = None) -> None:
-        """End a lease of ``owner`` (any, for ``None``); InvalidRequest for another's."""
-        with self._locked("release"):
-            self.leases.get(lease_id, owner)
-            self._close_lease(lease_id)
-
-    def _close_lease(self, lease_id: int) -> None:
-        self._unpin(self.leases.close(lease_id))
-        self.metrics.leases_active.set(len(self.leases))
-
-    def _unpin(self, record: LeaseRecord) -> None:
-        """A closed lease lets go of its slots."""
-        for item in record.items:
-            if item.state is ItemState.READY:
-                self.index.unpin(item.slot)
-            item.state = ItemState.FAILED
-        self._cond.notify_all()
+        self.loads.release(lease_id, owner)
 
     def renew(self, lease_id: int) -> None:
-        with self._locked("renew"):
-            self.leases.get(lease_id)
-            self.leases.renew(lease_id, self.clock() + self.config.lease_ttl_s)
+        self.loads.renew(lease_id)
 
     # ------------------------------------------------------------------ space in the arena
 
@@ -551,7 +417,7 @@ class TieredStore:
             with self._locked("expire"):
                 records = self.leases.expired(now, EXPIRE_BATCH)
                 for record in records:
-                    self._unpin(record)
+                    self.loads.unpin(record)
                 reserved = self.reservations.expired(now, EXPIRE_BATCH)
                 for key in reserved:
                     self.index.drop(self.index.entries[key])
@@ -595,28 +461,8 @@ class TieredStore:
             return self.events.since(seq, limit, namespace)
 
     def stats(self) -> dict[str, object]:
-        now = self.clock()
         with self._locked("stats"):
-            arena = self.index.arena
-            tiers: dict[str, object] = {
-                ARENA: {"slots": arena.num_slots, "free": arena.free_slots,
-                        "ready": len(self.index.policy), "slot_bytes": arena.slot_bytes},
-            }
-            for s in self.tiers:
-                tiers[s.name] = {
-                    "chunks": len(s.sizes), "used_bytes": s.used, "capacity_bytes": s.capacity,
-                    "configured_capacity_bytes": s.configured,
-                    "limited_by_filesystem": s.limited_by_filesystem,
-                    "breaker": s.breaker.state.name.lower(),
-                    "read_chunk_s": s.reads.chunk_s(now), "io_pending": s.pool.pending,
-                    "checksum_failures": self._count("kvtier_checksum_failures_total",
-                                                     tier=s.name),
-                    **s.tier.describe()}
-            return {"tiers": tiers, "leases": len(self.leases),
-                    "reservations": len(self.reservations), "entries": len(self.index.entries)}
-
-    def _count(self, name: str, **labels: str) -> int:
-        return int(self.metrics.registry.get_sample_value(name, labels) or 0)
+            return views.stats(self)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until no lower-tier write, delete or promotion is in flight. True if drained."""
@@ -654,28 +500,4 @@ class TieredStore:
             check_store(self)
 
     def _set_gauges(self) -> None:
-        m, a = self.metrics, self.index.arena
-        m.used_bytes.labels(ARENA).set((a.num_slots - a.free_slots) * a.slot_bytes)
-        m.capacity_bytes.labels(ARENA).set(a.num_slots * a.slot_bytes)
-        m.chunks.labels(ARENA).set(len(self.index.policy))
-        now = self.clock()
-        for s in self.tiers:
-            m.used_bytes.labels(s.name).set(s.used)
-            m.capacity_bytes.labels(s.name).set(s.capacity)
-            m.chunks.labels(s.name).set(len(s.sizes))
-            m.breaker_state.labels(s.name).set(int(s.breaker.state))
-            m.read_estimate.labels(s.name).set(s.reads.chunk_s(now) or 0.0)
-        for section, held in self.lock_max_s.items():
-            m.lock_hold_max.labels(section).set(held)
-
-
-def _check_keys(keys: Sequence[ChunkKey]) -> None:
-    """Keys are 32 bytes and distinct within one call."""
-    seen: dict[bytes, int] = {}
-    for i, key in enumerate(keys):
-        if len(key) != KEY_BYTES:
-            raise InvalidRequest(f"keys[{i}]: a chunk key is {KEY_BYTES} bytes, got {len(key)}")
-        first = seen.setdefault(key, i)
-        if first != i:
-            raise InvalidRequest(f"keys[{i}] repeats keys[{first}] ({key.hex()[:16]}...): "
-                                 "the keys of one call must be distinct")
+        views.set_gauges(self)

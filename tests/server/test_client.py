@@ -11,17 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MakeServer, server_config
 from store_helpers import (
     NS,
     PAYLOAD,
     SLOT_BYTES,
     TOKENS,
+    MakeServer,
     client_load,
     client_store,
     expected,
     keys,
     pattern,
+    server_config,
     stalled,
     store_of,
 )

@@ -9,8 +9,17 @@ import struct
 import time
 
 import pytest
-from conftest import MakeServer
-from store_helpers import NS, PAYLOAD, TOKENS, client_store, keys, sample, store_of, wait_until
+from store_helpers import (
+    NS,
+    PAYLOAD,
+    TOKENS,
+    MakeServer,
+    client_store,
+    keys,
+    sample,
+    store_of,
+    wait_until,
+)
 
 from kvtier.client import KvtierClient
 from kvtier.errors import RequestRejected, ServerUnavailable
@@ -142,6 +151,7 @@ def test_a_reconnecting_client_keeps_what_it_owns(make_server: MakeServer) -> No
     k = keys(2)
     with KvtierClient(server.socket_path) as client, \
             KvtierClient(server.socket_path, name="other") as other:
+        other.connect()
         client_store(client, k[:1])
         lease = client.lease(k[:1])
         slots = client.reserve(NS, k[1:], payload_len=PAYLOAD, tokens=TOKENS)

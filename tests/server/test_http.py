@@ -8,8 +8,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from conftest import MakeServer
-from store_helpers import NS, client_store, keys
+from store_helpers import NS, MakeServer, client_store, keys
 
 from kvtier.client import KvtierClient
 from kvtier.protocol import Events, Register

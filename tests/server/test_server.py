@@ -20,14 +20,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import MakeServer, server_config
 from store_helpers import (
+    MakeServer,
     client_load,
     client_store,
     expected,
     keys,
     pattern,
     sample,
+    server_config,
     store_of,
     wait_until,
 )
