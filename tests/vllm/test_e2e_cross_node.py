@@ -35,8 +35,11 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc
 
 @pytest.fixture(scope="module")
 def engines(demo_model: str, nodes: tuple[ServerProcess, ...]) -> Iterator[tuple[Any, Any]]:
-    a = e2e.make_llm(demo_model, nodes[0].socket_path)
-    b = e2e.make_llm(demo_model, nodes[1].socket_path)
+    # Always load: whether the shared tier's read beats this engine's recompute depends on the
+    # machine's load (tests/vllm/test_load_or_recompute.py covers that choice); here every
+    # planned hit must be a load, so the accounting is exact.
+    a = e2e.make_llm(demo_model, nodes[0].socket_path, load_or_recompute=False)
+    b = e2e.make_llm(demo_model, nodes[1].socket_path, load_or_recompute=False)
     yield a, b
     e2e.close_llm(a)
     e2e.close_llm(b)
