@@ -223,7 +223,7 @@ def test_lease_pins_slots_until_released(tmp_path: Path, make_store: MakeStore) 
     with pytest.raises(InvalidRequest, match="no open lease"):
         store.wait(first.lease_id, 0.0)
     store.release(second.lease_id)
-    assert int(store.arena.leases.sum()) == 0
+    assert sum(store.arena.leases) == 0
     store.check_integrity()
 
 
@@ -277,7 +277,7 @@ def test_leases_and_reservations_expire_after_their_ttl(tmp_path: Path, make_sto
     clock.now += 5
     store.expire()
     assert len(store.leases) == 0
-    assert int(store.arena.leases.sum()) == 0
+    assert sum(store.arena.leases) == 0
     store_chunks(store, keys(3, "new"))  # every slot is reusable: k0 was evicted for these
     assert store.lookup(k) == []
     store.check_integrity()

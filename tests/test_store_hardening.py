@@ -50,7 +50,7 @@ def test_a_lease_naming_one_key_twice_is_refused_and_strands_no_slot(
     store_chunks(store, k)
     with pytest.raises(InvalidRequest, match=r"keys\[1\] repeats keys\[0\]"):
         store.lease(1, [k[0], k[0]])
-    assert int(store.arena.leases.sum()) == 0 and len(store.leases) == 0
+    assert sum(store.arena.leases) == 0 and len(store.leases) == 0
     store.check_integrity()
     fresh = keys(4, "fresh")  # every slot is usable again: the old chunk is evicted
     assert None not in store.reserve(1, NS, fresh, payload_len=PAYLOAD, tokens=TOKENS)
@@ -169,7 +169,7 @@ def test_a_failure_in_the_middle_of_a_lease_leaves_nothing_pinned(
     monkeypatch.setattr(store.promotions, "begin", failing_begin)
     with pytest.raises(RuntimeError, match="injected"):
         store.lease(1, k)
-    assert int(store.arena.leases.sum()) == 0 and len(store.leases) == 0
+    assert sum(store.arena.leases) == 0 and len(store.leases) == 0
     store.check_integrity()
     monkeypatch.undo()
     assert load(store, k) == (["arena", "disk", "disk", "disk"], expected(k))

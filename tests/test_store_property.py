@@ -120,7 +120,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> tuple[object, ...]:
         store = self.store
-        return (store.arena.free_slots, store.arena.leases.tolist(), len(store.leases),
+        return (store.arena.free_slots, list(store.arena.leases), len(store.leases),
                 sorted(store.reservations), len(store.policy))
 
     def reserve_keys(self, chosen: list[ChunkKey], owner: int) -> list[ChunkKey]:

@@ -49,6 +49,7 @@ class Writes:
         """Whether a promotion reads ``key`` from a tier now (it must not be deleted)."""
         self.in_flight = 0
         self.demoting = 0
+        self._arena_evictions = metrics.evictions.labels("arena", "capacity")  # once per chunk
 
     # ------------------------------------------------------------------ deciding
 
@@ -71,7 +72,7 @@ class Writes:
 
         Returns whether its slot is free now (after a write-back it is freed later).
         """
-        self.metrics.evictions.labels("arena", "capacity").inc()
+        self._arena_evictions.inc()
         targets = [s for s in self.tiers if s.write_back and self.wants(s, entry)]
         if targets:
             entry.demoting = True

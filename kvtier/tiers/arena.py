@@ -38,6 +38,10 @@ class SlotState(enum.IntEnum):
     READY = 2
 
 
+# Plain ints for the hot path: an IntEnum member lookup costs more than the whole state check.
+_FREE, _WRITING, _READY = int(SlotState.FREE), int(SlotState.WRITING), int(SlotState.READY)
+
+
 def shm_path(name: str) -> str:
     if "/" in name or name.startswith("."):
         raise ConfigError(f"arena name {name!r} must not contain '/' or start with '.'")
@@ -100,13 +104,18 @@ class ArenaMapping:
 
 
 class Arena(ArenaMapping):
-    """The server's arena: the mapping plus slot states, leases and the free list."""
+    """The server's arena: the mapping plus slot states, leases and the free list.
+
+    States and lease counts are plain ``bytearray``/``list`` rather than numpy arrays: every
+    chunk touches them a few times under the store lock, and a numpy scalar read or write
+    costs several times a list index.
+    """
 
     def __init__(self, name: str, num_slots: int, slot_bytes: int, *,
                  prefault: bool = True) -> None:
         super().__init__(name, num_slots, slot_bytes, create=True, prefault=prefault)
-        self.state = np.zeros(num_slots, dtype=np.int8)
-        self.leases = np.zeros(num_slots, dtype=np.int32)
+        self.state = bytearray(num_slots)  # all _FREE
+        self.leases = [0] * num_slots
         self._free: deque[int] = deque(range(num_slots))
 
     @property
@@ -118,23 +127,25 @@ class Arena(ArenaMapping):
         if not self._free:
             return None
         index = self._free.popleft()
-        self.state[index] = SlotState.WRITING
+        self.state[index] = _WRITING
         return index
 
     def publish(self, index: int) -> None:
-        self._expect(index, SlotState.WRITING)
-        self.state[index] = SlotState.READY
+        if self.state[index] != _WRITING:
+            self._unexpected(index, SlotState.WRITING)
+        self.state[index] = _READY
 
     def free(self, index: int) -> None:
-        if self.state[index] == SlotState.FREE:
+        if self.state[index] == _FREE:
             raise IntegrityError(f"slot {index} freed twice")
         if self.leases[index]:
             raise IntegrityError(f"slot {index} freed while leased {self.leases[index]} times")
-        self.state[index] = SlotState.FREE
+        self.state[index] = _FREE
         self._free.append(index)
 
     def lease(self, index: int) -> None:
-        self._expect(index, SlotState.READY)
+        if self.state[index] != _READY:
+            self._unexpected(index, SlotState.READY)
         self.leases[index] += 1
 
     def unlease(self, index: int) -> None:
@@ -142,26 +153,27 @@ class Arena(ArenaMapping):
             raise IntegrityError(f"slot {index} released more often than leased")
         self.leases[index] -= 1
 
-    def _expect(self, index: int, state: SlotState) -> None:
-        if self.state[index] != state:
-            raise IntegrityError(
-                f"slot {index} is {SlotState(self.state[index]).name}, expected {state.name}"
-            )
+    def _unexpected(self, index: int, state: SlotState) -> None:
+        raise IntegrityError(
+            f"slot {index} is {SlotState(self.state[index]).name}, expected {state.name}"
+        )
 
     def check_integrity(self) -> None:
         """Free list and states agree; leases only on READY slots; no slot listed twice."""
         free = list(self._free)
         if len(set(free)) != len(free):
             raise IntegrityError("a slot appears twice in the free list")
-        states_free = set(np.flatnonzero(self.state == SlotState.FREE).tolist())
+        state = np.frombuffer(bytes(self.state), dtype=np.uint8)
+        leases = np.asarray(self.leases, dtype=np.int64)
+        states_free = set(np.flatnonzero(state == _FREE).tolist())
         if states_free != set(free):
             raise IntegrityError(
                 f"free list has {len(free)} slots, state table says {len(states_free)}"
             )
-        bad = np.flatnonzero((self.leases != 0) & (self.state != SlotState.READY))
+        bad = np.flatnonzero((leases != 0) & (state != _READY))
         if bad.size:
             raise IntegrityError(f"slots {bad.tolist()[:8]} are leased but not READY")
-        if (self.leases < 0).any():
+        if (leases < 0).any():
             raise IntegrityError("negative lease count")
 
 
