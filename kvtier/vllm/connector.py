@@ -372,6 +372,11 @@ def _check_server(client: KvtierClient, payload_len: int) -> None:
                   "nothing will be stored; restart the server with arena.slot_bytes >= %d "
                   "(or fewer chunk_tokens)", hello.slot_bytes, need, HEADER_SIZE
                   + align_up(payload_len))
+    elif hello.slot_bytes >= 1.5 * need:
+        log.warning("kvtier arena slots are %d bytes but one chunk of this model needs %d: "
+                    "%.0f%% of the arena is never used; give the server arena.slot_bytes "
+                    "= %d", hello.slot_bytes, need, 100 * (1 - need / hello.slot_bytes),
+                    HEADER_SIZE + align_up(payload_len))
 
 
 def _start_embedded(cfg: ConnectorConfig, payload_len: int) -> Any:

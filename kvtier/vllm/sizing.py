@@ -2,9 +2,17 @@
 
 ``kvtier serve`` runs the node server in its own process (so the arena is freed however vLLM
 exits), which means slots are sized before vLLM has resolved the real KV layout. The
-estimate is the usual K+V size of a chunk, using the widest dtype vLLM may pick, so it is
-exact for standard attention and errs on the large side otherwise (never too small for
-them). The connector checks the real size against the server's slots at startup.
+estimate is the usual K+V size of a chunk in the dtype vLLM will pick, so it is exact for
+standard attention and errs on the large side otherwise (never too small for them). The
+connector checks the real size against the server's slots at startup, and says when the
+slots are much larger than a chunk (arena memory wasted).
+
+``--dtype auto`` follows vLLM's rule (``_resolve_auto_dtype`` in ``vllm/config/model.py``):
+the config's dtype, except that a float32 model, or one whose config names no dtype (which
+transformers reads as float32), is downcast to the platform's preferred dtype, 16-bit on
+every platform vLLM 0.32 supports (bfloat16 on CPU and recent GPUs, float16 otherwise).
+Sizing those as float32 would give every slot twice the room a chunk needs and waste half
+of the arena.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ _DTYPE_BYTES = {
     "float32": 4, "float": 4, "fp32": 4,
     "bfloat16": 2, "float16": 2, "half": 2, "fp16": 2, "bf16": 2,
 }
+
+AUTO_FROM_FLOAT32 = 2
+"""Bytes per element vLLM's ``--dtype auto`` gives a float32 model: its 16-bit preferred dtype."""
 
 
 def flag_value(argv: Sequence[str], *names: str) -> str | None:
@@ -57,5 +68,7 @@ def _elem_bytes(config: dict[str, Any], vllm_args: Sequence[str]) -> int:
         return 1
     dtype = flag_value(vllm_args, "--dtype") or "auto"
     if dtype == "auto":
-        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+        named = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+        elem = _DTYPE_BYTES.get(named.removeprefix("torch."), 4)
+        return AUTO_FROM_FLOAT32 if elem == 4 else elem
     return _DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)

@@ -88,6 +88,19 @@ def test_payload_estimate_from_config(tmp_path: Path) -> None:
     assert estimate_payload_len(str(tmp_path), ["-tp", "4", "--kv-cache-dtype", "fp8"], 256) == (
         4 * 2 * 4 * 64 * 256 * 1)
     assert estimate_payload_len(str(tmp_path / "missing"), [], 256) is None
+
+
+@pytest.mark.parametrize("named", [{"torch_dtype": "float32"}, {"dtype": "float32"}, {}])
+def test_auto_dtype_downcasts_float32_as_vllm_does(tmp_path: Path, named: dict[str, str]
+                                                   ) -> None:
+    """vLLM's ``--dtype auto`` runs a float32 (or dtype-less) model in 16 bits: slots too."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 256, **named}))
+    sixteen = 4 * 2 * 2 * 64 * 256 * 2
+    assert estimate_payload_len(str(tmp_path), [], 256) == sixteen
+    assert estimate_payload_len(str(tmp_path), ["--dtype", "auto"], 256) == sixteen
+    assert estimate_payload_len(str(tmp_path), ["--dtype", "float32"], 256) == 2 * sixteen
     assert flag_value(["--port", "1", "--port=2"], "--port") == "2"
 
 
