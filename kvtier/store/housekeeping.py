@@ -4,6 +4,7 @@
   too long are marked late (their waiters fail, the breaker counts them);
 - circuit breakers: an open breaker whose cool-down is over gets its probe — a small sealed
   chunk written, read back, verified and deleted on the tier's own pool;
+- listing again: a tier whose listing failed at start is listed once its breaker closes;
 - space: every few seconds each tier's filesystem is asked what it can still hold.
 
 Each step holds the store lock only for the state it changes; the probe and ``statvfs``
@@ -14,21 +15,26 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import mmap
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from kvtier import codec
-from kvtier.errors import CorruptChunkError, TierIOError
+from kvtier.errors import CorruptChunkError, TierError, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store.iopool import Job
 from kvtier.store.lower import LowerTierState
+from kvtier.tiers.base import StoredChunk
 
+log = logging.getLogger("kvtier.store")
 Locked = Callable[[str], AbstractContextManager[None]]
 SPACE_CHECK_S = 5.0
 BATCH = 64
 """Jobs whose time ran out handled per lock hold."""
+RESCAN_BATCH = 4096
+"""Chunks found by a late listing indexed per lock hold."""
 PROBE_NAMESPACE = bytes(32)
 """Probe chunks live in a namespace of their own (all zeros), which no engine computes."""
 
@@ -48,6 +54,8 @@ class Housekeeper:
                 due = state.breaker.probe_due()
             if due:
                 self._probe(state)
+            if state.rescan and state.available:
+                self._rescan(state)
         now = self.clock()
         if now - self._space_checked >= SPACE_CHECK_S:
             self._space_checked = now
@@ -80,6 +88,40 @@ class Housekeeper:
             state.breaker.probe_result(False, state.config.io_timeout_s, "probe timed out")
 
         state.pool.submit(run, on_abandon=gave_up, on_late=gave_up)
+
+    def _rescan(self, state: LowerTierState) -> None:
+        """List a tier whose listing failed at start, now that it answers again: what it
+        holds and the books lack is indexed while it fits (newest first)."""
+        with self.locked("rescan"):
+            state.rescan = False
+
+        def again() -> None:
+            state.rescan = True
+
+        def run(_job: Job) -> None:
+            try:
+                found = sorted(state.tier.scan(), key=lambda c: c.mtime, reverse=True)
+            except TierError as exc:
+                log.warning("tier %s: listing it again failed: %s", state.name, exc)
+                with self.locked("rescan"):
+                    again()
+                return
+            for start in range(0, len(found), RESCAN_BATCH):
+                with self.locked("rescan"):
+                    self._index_found(state, found[start : start + RESCAN_BATCH])
+            log.info("tier %s: listed again, %d chunks, %d bytes in the books", state.name,
+                     len(state.sizes), state.used)
+
+        state.pool.submit(run, on_abandon=again)
+
+    @staticmethod
+    def _index_found(state: LowerTierState, chunks: list[StoredChunk]) -> None:
+        for chunk in chunks:
+            if chunk.key in state or chunk.key in state.deleting:
+                continue
+            if state.used + state.reserved + chunk.size > state.capacity:
+                return  # the rest stays on disk until the next start's listing
+            state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
 
     def _space(self, state: LowerTierState) -> None:
         def run(_job: Job) -> None:

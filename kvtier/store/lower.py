@@ -70,6 +70,8 @@ class LowerTierState:
         self.breaker = CircuitBreaker(config.breaker, clock, on_breaker_change)
         self.reads = ReadEstimate()
         self.limited_by_filesystem = False
+        self.rescan = False
+        """The listing at start failed: list the tier once its breaker closes again."""
         self.sharing: Sharing | None = None
         """For a shared tier: what keeps these books in step with the other servers'."""
 

@@ -149,5 +149,6 @@ class Promotions:
 
     def _abandoned(self, entry: Entry, state: LowerTierState) -> None:
         """The pool gave the read up before it started: nothing touches the slot."""
+        state.breaker.record(False, state.config.io_timeout_s, "read timed out in the queue")
         self.metrics.io_timeouts.labels(state.name, "read").inc()
         self._done(entry, state, None, False, "timed out in the queue", 0.0)

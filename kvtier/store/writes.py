@@ -111,7 +111,8 @@ class Writes:
             state.pool.submit(functools.partial(self._job, entry=entry, state=state,
                                                 doomed=victims, size=size),
                               on_abandon=functools.partial(self._abandoned, entry, state,
-                                                           victims, size))
+                                                           victims, size),
+                              on_late=functools.partial(self._late, state))
         if entry.demoting and not entry.writing:  # no tier took it
             self._demoted(entry)
 
@@ -204,11 +205,18 @@ class Writes:
             self._demoted(entry)
         self.cond.notify_all()
 
+    def _late(self, state: LowerTierState) -> None:
+        """The write runs past the timeout: a failure for the breaker (its own ending, if
+        it ever returns, is not counted again)."""
+        state.breaker.record(False, state.config.io_timeout_s, "write timed out")
+        self.metrics.io_timeouts.labels(state.name, "write").inc()
+
     def _abandoned(self, entry: Entry, state: LowerTierState,
                    doomed: list[tuple[ChunkKey, bytes]], size: int) -> None:
         """The pool gave the job up before it ran (the tier hangs)."""
         for key, _namespace in doomed:  # never deleted: left for the next scan to find
             state.deleting.discard(key)
+        state.breaker.record(False, state.config.io_timeout_s, "write timed out in the queue")
         self.metrics.io_timeouts.labels(state.name, "write").inc()
         self._done(entry, state, size, None, 0.0, "")
 
