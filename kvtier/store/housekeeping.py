@@ -50,6 +50,9 @@ class Housekeeper:
     def run(self) -> None:
         for state in self.tiers:
             self._overdue(state)
+            if state.full_until is not None:
+                with self.locked("space"):
+                    state.cool_down()
             with self.locked("breaker"):
                 due = state.breaker.probe_due()
             if due:
