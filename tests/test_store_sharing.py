@@ -29,7 +29,9 @@ from store_helpers import (
 
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.store.breaker import BreakerState
 from kvtier.store.records import ItemState
+from kvtier.store.sharing import MAX_TO_TOUCH, TOUCH_BATCH, Sharing
 from kvtier.store.sweeper import heartbeats, sweep, sweeper_of
 from kvtier.tiers.fs import FsTier
 
@@ -222,3 +224,46 @@ def test_journal_records_survive_garbage(ops: int) -> None:
     assert journal.decode(journal.encode([good])) == [good]
     assert journal.decode(b"\xc1 not msgpack") == []
     assert journal.decode(b"\x91\x94\xa1x\xc4\x01a\xc4\x01b\x01") == []  # wrong shapes
+
+
+class SlowTouchFs(FsTier):
+    """A real fs tier whose touches each take ``delay_s`` (a slow backend), counted."""
+
+    delay_s = 0.005
+    touched = 0
+
+    def touch(self, key: ChunkKey, *, namespace: bytes) -> None:
+        time.sleep(self.delay_s)
+        self.touched += 1
+        super().touch(key, namespace=namespace)
+
+
+def sharing_of(store: TieredStore) -> Sharing:
+    sharing = store.tiers[0].sharing
+    assert sharing is not None
+    return sharing
+
+
+def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
+            "io_threads": 1, "breaker": {"errors": 1, "error_ratio": 0.0,
+                                         "latency_budget_s": 0.5},
+            "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
+    store = make_store(tmp_path / "a", tiers=[tier])
+    store.rebuild()
+    state = store.tiers[0]
+    sharing = sharing_of(store)
+    slow = SlowTouchFs(state.name, state.config)
+    state.tier = sharing.tier = slow
+    hits = keys(MAX_TO_TOUCH + 5, "hit")
+    with store._locked("test"):
+        for key in hits:
+            sharing.used(key, NS)
+        assert len(sharing._to_touch) == MAX_TO_TOUCH, "the oldest are dropped"
+        assert sharing.touches_dropped == 5
+        while len(sharing._to_touch) > TOUCH_BATCH:  # one batch: ~1.3 s, 5 ms a touch
+            sharing._to_touch.pop()
+    assert wait_until(lambda: slow.touched == TOUCH_BATCH, 10.0)
+    settle(store)
+    assert state.breaker.state is BreakerState.CLOSED, "each touch is its own operation"

@@ -29,7 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
 import msgspec
@@ -48,6 +48,9 @@ from kvtier.tiers.shared import SharedTier
 log = logging.getLogger("kvtier.store")
 MAX_OUTBOX = 100_000
 MAX_TOUCHED = 100_000
+MAX_TO_TOUCH = 10_000
+"""Touches waiting for the backend; past this the oldest are dropped (best effort)."""
+TOUCH_BATCH = 256
 
 
 class Sharing:
@@ -67,7 +70,9 @@ class Sharing:
         self._cursor_ms = 0
         self._seen: dict[str, int] = {}
         self._touched: OrderedDict[ChunkKey, float] = OrderedDict()
-        self._to_touch: list[tuple[ChunkKey, bytes]] = []
+        self._to_touch: deque[tuple[ChunkKey, bytes]] = deque()
+        self.touches_dropped = 0
+        """Backend touches given up (the queue was full, or the tier failed a touch)."""
         self._busy: set[str] = set()
         self._due: dict[str, float] = {"sweep": time.monotonic() + self.opts.sweep_interval_s}
         """When each kind of job is next due (the first sweep waits one interval)."""
@@ -118,6 +123,9 @@ class Sharing:
         if len(self._touched) > MAX_TOUCHED:
             self._touched.popitem(last=False)
         self._add(journal.Record("t", namespace, key))
+        if len(self._to_touch) >= MAX_TO_TOUCH:
+            self._to_touch.popleft()
+            self.touches_dropped += 1
         self._to_touch.append((key, namespace))
 
     def _add(self, record: journal.Record) -> None:
@@ -185,7 +193,7 @@ class Sharing:
                 log.debug("%s on tier %s failed: %s", kind, self.state.name, exc)
             finally:
                 self._busy.discard(kind)
-            if kind != "sweep":
+            if kind not in ("sweep", "touch"):  # touches are counted one by one
                 with self.locked("sharing"):
                     self.state.breaker.record(not error, time.perf_counter() - start, error)
         return run
@@ -256,10 +264,23 @@ class Sharing:
         self.tier.put_note(f"{SERVERS}{self.server}", msgspec.msgpack.encode(beat))
 
     def _touch(self) -> None:
+        """Refresh a batch of hits' recency in the backend, each touch one operation for the
+        breaker (a long batch is not one slow operation). The first failure drops the rest
+        of the batch: touches are best effort."""
         with self.locked("sharing"):
-            batch, self._to_touch = self._to_touch[:256], self._to_touch[256:]
-        for key, namespace in batch:
-            self.tier.touch(key, namespace=namespace)
+            count = min(TOUCH_BATCH, len(self._to_touch))
+            batch = [self._to_touch.popleft() for _ in range(count)]
+        for done, (key, namespace) in enumerate(batch):
+            start = time.perf_counter()
+            try:
+                self.tier.touch(key, namespace=namespace)
+            except TierError as exc:
+                with self.locked("sharing"):
+                    self.state.breaker.record(False, time.perf_counter() - start, str(exc))
+                    self.touches_dropped += len(batch) - done
+                raise
+            with self.locked("sharing"):
+                self.state.breaker.record(True, time.perf_counter() - start)
 
     def _sweep(self) -> None:
         now = time.time()
