@@ -8,6 +8,7 @@ tests/tiers/test_fs.py and the end-to-end tests). Journals are fast here (tens o
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ from store_helpers import (
     wait_until,
 )
 
+from kvtier.errors import TierIOError
 from kvtier.keys import ChunkKey
-from kvtier.store import TieredStore
+from kvtier.store import TieredStore, journal
 from kvtier.store.breaker import BreakerState
 from kvtier.store.records import ItemState
 from kvtier.store.sharing import MAX_TO_TOUCH, TOUCH_BATCH, Sharing
@@ -267,3 +269,49 @@ def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
     assert wait_until(lambda: slow.touched == TOUCH_BATCH, 10.0)
     settle(store)
     assert state.breaker.state is BreakerState.CLOSED, "each touch is its own operation"
+
+
+class FlakyNotesFs(FsTier):
+    """A real fs tier whose next ``fail`` note reads fail (a backend blip)."""
+
+    fail = 1
+
+    def get_note(self, name: str) -> bytes | None:
+        if self.fail and name.startswith(journal.PREFIX):
+            self.fail -= 1
+            raise TierIOError(f"tier {self.name}: note read failed (test)")
+        return super().get_note(name)
+
+
+def test_a_journal_note_that_failed_to_fetch_is_fetched_again(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    state = b.tiers[0]
+    flaky = FlakyNotesFs(state.name, state.config)
+    sharing_of(b).tier = flaky
+    k = keys(2)
+    store_chunks(a, k)
+    settle(a)
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 3.0), "not skipped forever"
+    assert flaky.fail == 0, "the first fetch failed"
+    b.check_integrity()
+
+
+def test_a_note_dated_far_ahead_does_not_blind_the_readers(
+        tmp_path: Path, make_store: MakeStore, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    caplog.set_level(logging.WARNING, "kvtier.store")
+    ahead = int(time.time() * 1000) + 3_600_000  # a server whose clock is an hour fast
+    sharing_of(a).tier.put_note(journal.note_name(ahead, "fa57", 0), journal.encode([]))
+    assert wait_until(lambda: sharing_of(b)._seen.get(journal.note_name(ahead, "fa57", 0))
+                      is not None, 3.0)
+    k = keys(2)
+    store_chunks(a, k)
+    settle(a)
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 3.0), "still reads the others"
+    assert sum("ahead of this server's clock" in r.getMessage() for r in caplog.records) == 2, \
+        "one warning per reader"

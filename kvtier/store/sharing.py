@@ -69,6 +69,7 @@ class Sharing:
         self._seq = itertools.count()
         self._cursor_ms = 0
         self._seen: dict[str, int] = {}
+        self._warned_ahead = False
         self._touched: OrderedDict[ChunkKey, float] = OrderedDict()
         self._to_touch: deque[tuple[ChunkKey, bytes]] = deque()
         self.touches_dropped = 0
@@ -233,16 +234,25 @@ class Sharing:
             if parsed is None or name in self._seen:
                 continue
             ms, server = parsed
+            if server != self.server:  # a TierError here leaves the note to the next poll
+                data = self.tier.get_note(name)
+                if data is not None:  # None: deleted (swept) meanwhile
+                    with self.locked("journal"):
+                        self.apply(journal.decode(data))
             self._seen[name] = ms
-            self._cursor_ms = max(self._cursor_ms, ms)
-            if server == self.server:
-                continue
-            data = self.tier.get_note(name)
-            if data is not None:
-                with self.locked("journal"):
-                    self.apply(journal.decode(data))
+            self._advance(ms, now_ms)
         floor = self._cursor_ms - 2 * int(journal.SKEW_S * 1000)
         self._seen = {n: ms for n, ms in self._seen.items() if ms >= floor}
+
+    def _advance(self, ms: int, now_ms: int) -> None:
+        """Move the cursor to a note applied, never past this server's clock: a note dated
+        ahead (a peer whose clock runs fast) must not blind this reader to the others'."""
+        if ms > now_ms + int(journal.SKEW_S * 1000) and not self._warned_ahead:
+            self._warned_ahead = True
+            log.warning("tier %s: journal notes dated %.0f s ahead of this server's clock "
+                        "(a server's clock is off by more than %g s)", self.state.name,
+                        (ms - now_ms) / 1000, journal.SKEW_S)
+        self._cursor_ms = max(self._cursor_ms, min(ms, now_ms))
 
     def _relist(self, now_ms: int) -> None:
         """Too far behind the journal: make the books match a fresh listing."""
