@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from kvtier.errors import TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore, journal
 from kvtier.store.breaker import BreakerState
+from kvtier.store.housekeeping import probe_key, probe_tier
 from kvtier.store.records import ItemState
 from kvtier.store.sharing import MAX_TO_TOUCH, TOUCH_BATCH, Sharing
 from kvtier.store.sweeper import heartbeats, sweep, sweeper_of
@@ -315,3 +317,26 @@ def test_a_note_dated_far_ahead_does_not_blind_the_readers(
     assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 3.0), "still reads the others"
     assert sum("ahead of this server's clock" in r.getMessage() for r in caplog.records) == 2, \
         "one warning per reader"
+
+
+def test_two_servers_probing_one_shared_tier_use_probe_chunks_of_their_own(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    assert probe_key("shared", a.instance) != probe_key("shared", b.instance)
+    errors: list[BaseException] = []
+
+    def probe_often(store: TieredStore) -> None:
+        try:
+            for _ in range(100):
+                probe_tier(store.tiers[0], store.instance)
+        except Exception as exc:  # recorded for the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=probe_often, args=(s,)) for s in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == [], "at once, neither deletes the other's probe under it"

@@ -109,7 +109,8 @@ class TieredStore:
         # Freeing ahead of need only pays when freeing means a write (write-back).
         ac = config.arena
         self._free_target = int(ac.free_target * ac.num_slots) if write_back else 0
-        self._housekeeper = Housekeeper(self.tiers, self._locked, self.clock)
+        self._housekeeper = Housekeeper(self.tiers, self._locked, self.clock,
+                                        self.instance)
         self._closed = False
         for state in self.tiers:
             if state.tier.shared:

@@ -41,8 +41,10 @@ PROBE_NAMESPACE = bytes(32)
 
 class Housekeeper:
     def __init__(self, tiers: list[LowerTierState], locked: Locked,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], instance: str = "") -> None:
         self.tiers = tiers
+        self.instance = instance
+        """This server's id: its probe chunks are its own on a tier others probe too."""
         self.locked = locked
         self.clock = clock
         self._space_checked = -SPACE_CHECK_S
@@ -79,7 +81,7 @@ class Housekeeper:
             start = time.perf_counter()
             error = ""
             try:
-                probe_tier(state)
+                probe_tier(state, self.instance)
             except Exception as exc:  # any failure keeps the breaker open
                 error = f"{type(exc).__name__}: {exc}"
             elapsed = time.perf_counter() - start
@@ -136,9 +138,15 @@ class Housekeeper:
         state.pool.submit(run)
 
 
-def probe_tier(state: LowerTierState) -> None:
+def probe_key(tier: str, instance: str) -> ChunkKey:
+    """The probe chunk of one server on one tier: servers probing a shared tier at once
+    never write, read or delete each other's."""
+    return ChunkKey(hashlib.sha256(f"kvtier-probe:{tier}:{instance}".encode()).digest())
+
+
+def probe_tier(state: LowerTierState, instance: str = "") -> None:
     """Write, read back, verify and delete one small chunk; raises if any step fails."""
-    key = ChunkKey(hashlib.sha256(b"kvtier-probe:" + state.name.encode()).digest())
+    key = probe_key(state.name, instance)
     size = codec.stored_size(codec.PAGE)
     buf = mmap.mmap(-1, 2 * size)  # page aligned, as O_DIRECT wants
     try:
