@@ -232,10 +232,14 @@ class NodeServer:
                                                  f"this server speaks {PROTOCOL_VERSION}: "
                                                  "upgrade one of them")))
             return None
-        caller = Caller(self.sessions.attach(hello.session), hello.session)
-        conn.settimeout(None)  # between messages a client may be idle for as long as it likes
-        conn.sendall(encode(self.service.hello()))
-        return caller
+        owner = self.sessions.attach(hello.session)
+        try:
+            conn.settimeout(None)  # between messages a client may be idle as long as it likes
+            conn.sendall(encode(self.service.hello()))
+        except BaseException:  # the client went before the reply: the session is not held
+            self.sessions.detach(hello.session, owner)
+            raise
+        return Caller(owner, hello.session)
 
     def _converse(self, conn: socket.socket, conn_id: int, caller: Caller) -> None:
         assert self.service is not None

@@ -211,3 +211,23 @@ def test_a_frame_cut_in_half_then_closed_leaves_no_trace(make_server: MakeServer
     assert wait_until(lambda: sample(server, "kvtier_clients") == 0, 15.0)
     assert len(store.leases) == 0
     store.check_integrity()
+
+
+def test_a_client_gone_before_the_hello_reply_does_not_hold_its_session(
+        make_server: MakeServer) -> None:
+    server = make_server(orphan_grace_s=60.0)  # sessions stay listed while we look
+    tokens = [f"{i:08x}" for i in range(40)]
+    for token in tokens:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(server.socket_path)
+        sock.sendall(encode(Hello("gone", os.getpid(), session=token)))
+        sock.close()  # before the server replies: its reply meets a closed socket
+    assert server.sessions is not None
+    sessions = server.sessions
+
+    def all_detached() -> bool:
+        with sessions._lock:
+            held = [sessions._by_token[t].connections for t in tokens if t in sessions._by_token]
+        return len(held) == len(tokens) and not any(held)
+    assert wait_until(lambda: sample(server, "kvtier_clients") == 0, 5.0)
+    assert wait_until(all_detached, 5.0), "every session's connection count is back to 0"
