@@ -216,7 +216,8 @@ class NodeServer:
         gets an error and is closed (returns None)."""
         assert self.service is not None and self.sessions is not None
         conn.settimeout(self.config.frame_timeout_s)  # the hello comes promptly, or never
-        body = read_frame(conn, self.config.max_message_bytes)
+        body = read_frame(conn, self.config.max_message_bytes,
+                          frame_timeout_s=self.config.frame_timeout_s)
         if body is None:
             return None
         try:

@@ -231,3 +231,24 @@ def test_a_client_gone_before_the_hello_reply_does_not_hold_its_session(
         return len(held) == len(tokens) and not any(held)
     assert wait_until(lambda: sample(server, "kvtier_clients") == 0, 5.0)
     assert wait_until(all_detached, 5.0), "every session's connection count is back to 0"
+
+
+def test_a_client_trickling_a_message_is_cut_off_after_frame_timeout(
+        make_server: MakeServer) -> None:
+    server = make_server(frame_timeout_s=0.5)
+    with connect(server) as sock:
+        sock.sendall(encode(Hello("trickler", os.getpid())))
+        answer(sock)
+        frame = encode(Lookup(keys(4)))
+        start = time.monotonic()
+        for byte in frame:  # one byte per 0.2 s: each recv is quick, the whole is not
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            if time.monotonic() - start > 3.0:
+                break
+            time.sleep(0.2)
+        elapsed = time.monotonic() - start
+        assert elapsed < 2.0, f"still connected after {elapsed:.1f} s of trickling"
+        assert hung_up(sock)
