@@ -276,8 +276,8 @@ class NodeServer:
         if self.config.metrics_port is None:
             return
         assert self.service is not None
-        self._http = NodeHTTP(self.service, self.config.metrics_host,
-                              self.config.metrics_port).start()
+        self._http = NodeHTTP(self.service, self.config.metrics_host, self.config.metrics_port,
+                              timeout_s=max(self.config.frame_timeout_s, 1.0)).start()
         self.metrics_port = self._http.port
         log.info("metrics and lookups on http://%s:%d/ (/metrics, /v1/lookup)",
                  self.config.metrics_host, self.metrics_port)
