@@ -19,7 +19,9 @@ import pytest
 from store_helpers import (
     CHUNK_BYTES,
     NS,
+    SLOT_BYTES,
     MakeStore,
+    arena_name,
     expected,
     keys,
     load,
@@ -29,6 +31,7 @@ from store_helpers import (
     wait_until,
 )
 
+from kvtier.config import ServerConfig
 from kvtier.errors import TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore, journal
@@ -340,3 +343,46 @@ def test_two_servers_probing_one_shared_tier_use_probe_chunks_of_their_own(
     for thread in threads:
         thread.join(30)
     assert errors == [], "at once, neither deletes the other's probe under it"
+
+
+def big_slot_server(root: Path, folder: Path) -> TieredStore:
+    """A server with slots twice the tests' size on the shared folder (closed by the caller)."""
+    tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
+            "io_threads": 2, "options": {"path": str(folder), "fsync": False, **FAST}}
+    config = ServerConfig.from_dict({
+        "socket_path": str(root / "big.sock"),
+        "arena": {"size_bytes": 4 * 2 * SLOT_BYTES, "slot_bytes": 2 * SLOT_BYTES,
+                  "free_target": 0.0},
+        "tiers": [tier]})
+    store = TieredStore(config, arena_name=arena_name())
+    store.rebuild()
+    return store
+
+
+def test_a_chunk_larger_than_this_servers_slot_is_a_miss_not_corruption(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    big = big_slot_server(tmp_path, folder)
+    try:
+        small = server(make_store, tmp_path, folder, "small")
+        k = keys(1, "big")
+        store_chunks(big, k, n=SLOT_BYTES + 1000)  # fits only the big server's slots
+        settle(big)
+        state = small.tiers[0]
+        assert wait_until(lambda: k[0] in state, 3.0), "the books know of it"
+        assert small.lookup(k) == [], "but it is not offered: it cannot fit a slot here"
+        state.used += CHUNK_BYTES - state.sizes[k[0]]  # books that disagree with the tier:
+        state.sizes[k[0]] = CHUNK_BYTES                 # the read decides
+        assert small.lookup(k) == ["shared"]
+        assert load(small, k).payloads == [None], "a miss"
+        small.check_integrity()
+        assert sample(small, "kvtier_checksum_failures_total", tier="shared") == 0
+        assert k[0].hex() in listed(folder), "never quarantined or deleted"
+        settle(small)
+        time.sleep(0.3)  # a journal round: nothing told the big server to forget it
+        assert big.lookup(k) == ["arena"] and k[0] in big.tiers[0]
+        evict_arena(big, "evictor")
+        assert load(big, k, n=SLOT_BYTES + 1000) == (["shared"],
+                                                     expected(k, n=SLOT_BYTES + 1000))
+    finally:
+        big.close(drain_s=5)
