@@ -17,6 +17,7 @@ from store_helpers import (
     PAYLOAD,
     TOKENS,
     MakeStore,
+    disk_files,
     expected,
     keys,
     load,
@@ -25,10 +26,11 @@ from store_helpers import (
     settle,
     small_filesystem,
     store_chunks,
+    wait_until,
 )
 
 from kvtier.codec import HEADER_SIZE
-from kvtier.errors import InvalidRequest, TierFull
+from kvtier.errors import InvalidRequest, TierFull, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.store.lower import FULL_COOL_DOWN_S
@@ -341,4 +343,32 @@ def test_one_full_refusal_from_a_tier_without_space_lowers_its_capacity_only_for
     store_chunks(store, later)
     settle(store)
     assert all(key in disk for key in [*first, *later]), "nothing evicted for the refusal"
+    store.check_integrity()
+
+
+class FailsDeletesTier(DiskTier):
+    """A real disk tier whose next ``fail`` deletes raise (a backend blip)."""
+
+    fail = 2
+
+    def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise TierIOError(f"tier {self.name}: delete failed (test)")
+        super().delete(key, namespace=namespace)
+
+
+def test_an_evicted_chunk_whose_delete_fails_is_deleted_by_a_later_try(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    store = make_store(tmp_path, slots=6, disk_bytes=2 * CHUNK_BYTES, io_threads=1)
+    disk = store.tiers[0]
+    disk.tier = FailsDeletesTier(disk.name, disk.config)
+    k = keys(3)
+    for key in k:
+        store_chunks(store, [key])
+        settle(store)
+    assert k[0] not in disk, "evicted from the books to make room"
+    assert wait_until(lambda: settle(store) is None and k[0].hex() not in disk_files(tmp_path))
+    assert sample(store, "kvtier_io_errors_total", tier="disk", direction="delete") == 2
+    assert set(disk_files(tmp_path)) == {key.hex() for key in k[1:]}, "nothing leaked"
     store.check_integrity()
