@@ -31,6 +31,9 @@ from kvtier.store.sweeper import sweep
 from kvtier.tiers import TIERS, LowerTier, StoredChunk
 from kvtier.tiers.shared import SharedTier
 
+JOURNAL_BATCH = 4096
+"""Records per journal note ``gc`` and ``rm`` write."""
+
 
 @dataclass
 class Usage:
@@ -120,17 +123,22 @@ def run_gc(args: argparse.Namespace) -> int:
 
 
 def run_rm(args: argparse.Namespace) -> int:
+    """Resolve the namespace across every chosen tier first (ambiguous: nothing deleted),
+    then delete tier by tier."""
     prefix = args.namespace.lower()
-    out: list[dict[str, object]] = []
+    found: dict[str, list[StoredChunk]] = {}
     for config, tier in _tiers(args):
         if not tier.shared and _server_answers(args.config):
             raise ConfigError(f"tier {config.name} is local and its server is running: stop "
                               "it first (its books would no longer match the files)")
-        chunks = [c for c in tier.scan() if c.namespace.hex().startswith(prefix)]
-        spaces = {c.namespace for c in chunks}
-        if len(spaces) > 1:
-            raise ConfigError(f"--namespace {args.namespace} matches {len(spaces)} "
-                              "namespaces: give more of it")
+        found[config.name] = [c for c in tier.scan() if c.namespace.hex().startswith(prefix)]
+    spaces = {c.namespace for chunks in found.values() for c in chunks}
+    if len(spaces) > 1:
+        raise ConfigError(f"--namespace {args.namespace} matches {len(spaces)} namespaces "
+                          "across the tiers: give more of it (nothing was deleted)")
+    out: list[dict[str, object]] = []
+    for config, tier in _tiers(args):
+        chunks = found.get(config.name, [])
         if not args.dry_run:
             for chunk in chunks:
                 tier.delete(chunk.key, namespace=chunk.namespace)
@@ -144,16 +152,19 @@ def run_rm(args: argparse.Namespace) -> int:
 
 
 def _journal(tier: SharedTier, chunks: list[StoredChunk]) -> None:
-    """Tell running servers what went (as a server of its own would)."""
-    if not chunks:
-        return
-    records = [journal.Record("-", c.namespace, c.key) for c in chunks]
-    name = journal.note_name(int(time.time() * 1000), "c" + secrets.token_hex(7), 0)
-    try:
-        tier.put_note(name, journal.encode(records))
-    except TierError as exc:
-        print(f"kvtier: could not journal the deletes on {tier.name} ({exc}); servers find "
-              "them missing on their next read", file=sys.stderr)
+    """Tell running servers what went (as a server of its own would), in notes of at most
+    JOURNAL_BATCH records (a server's notes are no bigger)."""
+    server = "c" + secrets.token_hex(7)
+    for seq, start in enumerate(range(0, len(chunks), JOURNAL_BATCH)):
+        records = [journal.Record("-", c.namespace, c.key)
+                   for c in chunks[start : start + JOURNAL_BATCH]]
+        name = journal.note_name(int(time.time() * 1000), server, seq)
+        try:
+            tier.put_note(name, journal.encode(records))
+        except TierError as exc:
+            print(f"kvtier: could not journal {len(chunks) - start} deletes on {tier.name} "
+                  f"({exc}); servers find them missing on their next read", file=sys.stderr)
+            return
 
 
 def _server_answers(config_path: str) -> bool:

@@ -91,6 +91,11 @@ class CorruptChunkError(TierError):
     """A stored chunk failed header or checksum verification."""
 
 
+class ChunkTooLarge(CorruptChunkError):
+    """A stored chunk is larger than the buffer given to read it into: not this reader's
+    chunk size (a server with bigger slots may have written it), not proof of corruption."""
+
+
 class IntegrityError(KvtierError, RuntimeError):
     """Internal bookkeeping disagrees with itself; raised by check_integrity()."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import socket
 import struct
+import time
 from typing import Annotated, Any, ClassVar, Generic, TypeVar, Union
 
 import msgspec
@@ -278,35 +279,42 @@ def read_frame(sock: socket.socket, max_bytes: int, *,
     """One frame's body; ``None`` on a clean end of stream before a frame starts.
 
     Waits for the first byte as long as the socket's own timeout allows; from then on the
-    rest must arrive within ``frame_timeout_s`` (when given). Raises ProtocolError for an
-    oversized frame, ConnectionError for a stream cut mid-frame, TimeoutError when it
-    stalls.
+    whole rest must arrive within ``frame_timeout_s`` (when given), however it trickles.
+    Raises ProtocolError for an oversized frame, ConnectionError for a stream cut mid-frame,
+    TimeoutError when it stalls.
     """
     first = _read_exact(sock, 1, allow_eof=True)
     if first is None:
         return None
     previous = sock.gettimeout()
-    if frame_timeout_s is not None:
-        sock.settimeout(frame_timeout_s)
+    deadline = None if frame_timeout_s is None else time.monotonic() + frame_timeout_s
     try:
-        rest = _read_exact(sock, _LEN.size - 1, allow_eof=False)
+        rest = _read_exact(sock, _LEN.size - 1, allow_eof=False, deadline=deadline)
         assert rest is not None
         (length,) = _LEN.unpack(first + rest)
         if length > max_bytes:
             raise ProtocolError(f"message of {length} bytes exceeds the limit of {max_bytes}")
-        body = _read_exact(sock, length, allow_eof=False)
+        body = _read_exact(sock, length, allow_eof=False, deadline=deadline)
         assert body is not None
         return body
     finally:
-        if frame_timeout_s is not None:
+        if deadline is not None:
             sock.settimeout(previous)
 
 
-def _read_exact(sock: socket.socket, n: int, *, allow_eof: bool) -> bytes | None:
+def _read_exact(sock: socket.socket, n: int, *, allow_eof: bool,
+                deadline: float | None = None) -> bytes | None:
+    """``n`` bytes; with a ``deadline`` (monotonic), all of them by then: each ``recv``
+    waits only for what is left of it, so a trickle of bytes cannot stretch it."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the message did not arrive whole in time")
+            sock.settimeout(left)
         count = sock.recv_into(view[got:])
         if count == 0:
             if got == 0 and allow_eof:

@@ -9,10 +9,12 @@ import pytest
 import yaml
 from store_helpers import CHUNK_BYTES, NS, SLOT_BYTES, arena_name, keys, settle, store_chunks
 
+from kvtier import admin
 from kvtier.cli import main
 from kvtier.config import ServerConfig
 from kvtier.server import NodeServer
-from kvtier.store import TieredStore
+from kvtier.store import TieredStore, journal
+from kvtier.tiers.fs import FsTier
 
 
 def config_file(root: Path, **shared: object) -> Path:
@@ -91,3 +93,39 @@ def test_rm_deletes_a_namespace_and_refuses_a_running_servers_local_tier(
         assert "its server is running" in capsys.readouterr().err
     assert len(list((tmp_path / "disk" / "chunks").rglob("*.kvc"))) == 4
     assert main(["rm", "--config", str(path), "--namespace", NS.hex(), "--tier", "nope"]) == 2
+
+
+def test_rm_resolves_the_namespace_across_all_tiers_before_deleting_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = filled(tmp_path, 4)  # NS on both tiers
+    other = NS[:1] + bytes(31)  # shares NS's first hex digits
+    data = yaml.safe_load(path.read_text())
+    data["tiers"] = data["tiers"][1:]  # the shared tier only
+    only_shared = tmp_path / "shared-only.yaml"
+    only_shared.write_text(yaml.safe_dump(data))
+    store = TieredStore(ServerConfig.from_yaml(only_shared), arena_name=arena_name())
+    try:
+        ks = keys(2, "other")
+        slots = store.reserve(1, other, ks, payload_len=100, tokens=16)
+        assert None not in slots and store.commit(ks) == 2
+        settle(store)
+    finally:
+        store.close(drain_s=5)
+    assert main(["rm", "--config", str(path), "--namespace", NS.hex()[:2]]) == 2
+    assert "nothing was deleted" in capsys.readouterr().err
+    assert len(list((tmp_path / "disk" / "chunks").rglob("*.kvc"))) == 4, "disk untouched"
+    assert len(list((tmp_path / "shared" / "chunks").rglob("*.kvc"))) == 6
+
+
+def test_rm_journals_its_deletes_in_notes_of_bounded_size(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = filled(tmp_path, 8)
+    monkeypatch.setattr(admin, "JOURNAL_BATCH", 3)
+    out = run(capsys, "rm", "--config", str(path), "--namespace", NS.hex(),
+              "--tier", "shared", "--json")
+    assert out[0]["deleted_chunks"] == 8
+    tier = FsTier("shared", ServerConfig.from_yaml(path).tiers[1])
+    notes = [journal.decode(tier.get_note(n) or b"") for n in tier.list_notes(journal.PREFIX)]
+    deletes = [records for records in notes if records[0].op == "-"]  # not the store's "+"
+    assert sorted(map(len, deletes)) == [2, 3, 3], "8 records in notes of at most 3"

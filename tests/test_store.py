@@ -19,6 +19,7 @@ from store_helpers import (
     keys,
     load,
     sample,
+    settle,
     store_chunks,
 )
 
@@ -313,3 +314,18 @@ def test_stats_describe_the_arena(tmp_path: Path, make_store: MakeStore) -> None
     assert stats["leases"] == 1 and stats["entries"] == 3
     store.release(lease.lease_id)
     store.check_integrity()
+
+
+def test_a_chunk_read_back_under_another_namespace_is_not_served(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    store = make_store(tmp_path, slots=2, disk_bytes=1 << 20)
+    k = keys(1)
+    store_chunks(store, k)
+    settle(store)
+    store_chunks(store, keys(2, "evictor"))  # now only the disk holds k
+    settle(store)
+    disk = store.tiers[0]
+    disk.namespaces[k[0]] = bytes(32)  # the books say another namespace
+    assert store.lookup(k) == ["disk"]
+    assert load(store, k).payloads == [None], "the namespace is verified too"
+    assert sample(store, "kvtier_checksum_failures_total", tier="disk") == 1

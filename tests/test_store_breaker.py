@@ -32,10 +32,12 @@ from store_helpers import (
     wait_until,
 )
 
+from kvtier.errors import TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.store.breaker import BreakerState
 from kvtier.store.records import ItemState
+from kvtier.tiers.base import StoredChunk
 from kvtier.tiers.disk import DiskTier
 
 BREAKER = {"errors": 3, "error_ratio": 0.5, "window_s": 30, "cooldown_s": 0.2,
@@ -220,4 +222,110 @@ def test_a_hung_tier_wrapped_to_block_fails_its_waiters_and_keeps_the_slot(
             keeper.join(5)
     assert store.lookup(k) == ["arena"], "the late read still landed, verified"
     assert load(store, k) == (["arena"], expected(k))
+    store.check_integrity()
+
+
+class HungWriteTier(DiskTier):
+    """A real disk tier whose writes first wait until ``release`` is set (a hung mount)."""
+
+    release = threading.Event()
+
+    def write(self, key: ChunkKey, data: memoryview) -> int:
+        self.release.wait(30)
+        return super().write(key, data)
+
+
+def test_a_tier_whose_writes_hang_wrapped_to_block_opens_the_breaker_on_writes_alone(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    store = disk_store(make_store, tmp_path, tmp_path / "tier", slots=8, io_timeout_s=0.2)
+    state = store.tiers[0]
+    real = state.tier
+    hung = HungWriteTier(state.name, state.config)
+    hung.release = threading.Event()
+    state.tier = hung
+    try:
+        store_chunks(store, keys(6, "hung"))
+        assert store.writes.in_flight == 6
+
+        def opened() -> bool:
+            store.housekeeping()
+            return breaker(store) is BreakerState.OPEN
+        assert wait_until(opened, 5.0), "late and abandoned writes count as failures"
+        assert sample(store, "kvtier_io_timeouts_total", tier="disk", direction="write") >= 3
+        assert wait_until(lambda: (store.housekeeping() or store.writes.in_flight) <= 2)
+    finally:
+        hung.release.set()
+        state.tier = real
+    assert store.flush()
+    store.check_integrity()
+
+
+class UnlistableTier(DiskTier):
+    """A real disk tier whose listing fails (``broken``) or hangs until ``release`` is set."""
+
+    broken = True
+    release: threading.Event | None = None
+
+    def scan(self) -> Iterator[StoredChunk]:
+        if self.release is not None:
+            self.release.wait(30)
+        if self.broken:
+            raise TierIOError(f"tier {self.name}: listing failed (test)")
+        yield from super().scan()
+
+
+def restarted_with(make_store: MakeStore, tmp_path: Path, **attrs: Any
+                   ) -> tuple[TieredStore, UnlistableTier, list[ChunkKey]]:
+    """A tier holding chunks an earlier store wrote, behind a new store whose tier is
+    swapped for one that cannot be listed; the new store is not rebuilt yet."""
+    path = tmp_path / "tier"
+    first = disk_store(make_store, tmp_path / "first", path, io_timeout_s=0.3)
+    k = keys(2, "before")
+    store_chunks(first, k)
+    settle(first)
+    store = disk_store(make_store, tmp_path / "second", path, io_timeout_s=0.3)
+    state = store.tiers[0]
+    tier = UnlistableTier(state.name, state.config)
+    for name, value in attrs.items():
+        setattr(tier, name, value)
+    state.tier = tier
+    return store, tier, k
+
+
+def test_a_store_starts_when_its_tier_cannot_be_listed_wrapped_to_fail(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    store, tier, before = restarted_with(make_store, tmp_path)
+    assert store.rebuild() == 0
+    assert breaker(store) is BreakerState.OPEN, "bypassed until it answers"
+    k = keys(1, "arena")
+    store_chunks(store, k)
+    assert load(store, k) == (["arena"], expected(k)), "serving goes on from the arena"
+    assert store.lookup(before) == []
+    tier.broken = False
+    time.sleep(0.3)
+    assert probe_until_closed(store)
+    assert wait_until(lambda: store.housekeeping() or store.lookup(before) == ["disk"] * 2), \
+        "listed again once the breaker closed"
+    assert load(store, before) == (["disk"] * 2, expected(before))
+    store.check_integrity()
+
+
+def test_a_store_starts_when_its_tier_listing_hangs_wrapped_to_block(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    release = threading.Event()
+    store, _tier, _before = restarted_with(make_store, tmp_path, release=release)
+    try:
+        start = time.monotonic()
+        assert store.rebuild() == 0
+        assert time.monotonic() - start < 3.0, "bounded by io_timeout_s, not the hang"
+        assert breaker(store) is BreakerState.OPEN
+        k = keys(1, "arena")
+        store_chunks(store, k)
+        assert load(store, k) == (["arena"], expected(k))
+    finally:
+        release.set()
     store.check_integrity()

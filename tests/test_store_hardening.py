@@ -17,6 +17,7 @@ from store_helpers import (
     PAYLOAD,
     TOKENS,
     MakeStore,
+    disk_files,
     expected,
     keys,
     load,
@@ -25,12 +26,17 @@ from store_helpers import (
     settle,
     small_filesystem,
     store_chunks,
+    wait_until,
 )
 
 from kvtier.codec import HEADER_SIZE
-from kvtier.errors import InvalidRequest
+from kvtier.errors import InvalidRequest, TierFull, TierIOError
+from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.store.lower import FULL_COOL_DOWN_S
 from kvtier.store.records import ItemState
+from kvtier.tiers import Space
+from kvtier.tiers.disk import DiskTier
 
 
 class Clock:
@@ -295,3 +301,74 @@ def test_lookup_estimates_each_chunks_arrival_from_measured_reads(
     hit = store.lookup_hit(k)
     assert hit.tiers == ["arena", "disk", "disk", "disk"]
     assert hit.arrival_s == pytest.approx([0.0, per, 2 * per, 3 * per]), "one reader: in turn"
+
+
+class RefusesOnceTier(DiskTier):
+    """A real disk tier that cannot report free space (like Redis) and refuses its next
+    write as full once (Redis at maxmemory with noeviction)."""
+
+    refuse = True
+
+    def space(self) -> Space | None:
+        return None
+
+    def write(self, key: ChunkKey, data: memoryview) -> int:
+        if self.refuse:
+            self.refuse = False
+            raise TierFull(f"tier {self.name}: full (test)")
+        return super().write(key, data)
+
+
+def test_one_full_refusal_from_a_tier_without_space_lowers_its_capacity_only_for_a_while(
+        tmp_path: Path, make_store: MakeStore, caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    store = make_store(tmp_path, disk_bytes=64 * CHUNK_BYTES, clock=lambda: now[0])
+    disk = store.tiers[0]
+    first = keys(2, "first")
+    store_chunks(store, first)
+    settle(store)
+    disk.tier = RefusesOnceTier(disk.name, disk.config)
+    caplog.set_level(logging.INFO, "kvtier.store")
+    store_chunks(store, keys(1, "refused"))
+    settle(store)
+    assert disk.capacity == 2 * CHUNK_BYTES, "held to what it has"
+    warned = [r.getMessage() for r in caplog.records if "capacity lowered" in r.getMessage()]
+    assert len(warned) == 1 and "filesystem" not in warned[0]
+    store.housekeeping()
+    assert disk.capacity == 2 * CHUNK_BYTES, "not before the cool-down"
+    now[0] += FULL_COOL_DOWN_S
+    store.housekeeping()
+    assert disk.capacity == 64 * CHUNK_BYTES, "the configured capacity is back"
+    later = keys(4, "later")
+    store_chunks(store, later)
+    settle(store)
+    assert all(key in disk for key in [*first, *later]), "nothing evicted for the refusal"
+    store.check_integrity()
+
+
+class FailsDeletesTier(DiskTier):
+    """A real disk tier whose next ``fail`` deletes raise (a backend blip)."""
+
+    fail = 2
+
+    def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise TierIOError(f"tier {self.name}: delete failed (test)")
+        super().delete(key, namespace=namespace)
+
+
+def test_an_evicted_chunk_whose_delete_fails_is_deleted_by_a_later_try(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    store = make_store(tmp_path, slots=6, disk_bytes=2 * CHUNK_BYTES, io_threads=1)
+    disk = store.tiers[0]
+    disk.tier = FailsDeletesTier(disk.name, disk.config)
+    k = keys(3)
+    for key in k:
+        store_chunks(store, [key])
+        settle(store)
+    assert k[0] not in disk, "evicted from the books to make room"
+    assert wait_until(lambda: settle(store) is None and k[0].hex() not in disk_files(tmp_path))
+    assert sample(store, "kvtier_io_errors_total", tier="disk", direction="delete") == 2
+    assert set(disk_files(tmp_path)) == {key.hex() for key in k[1:]}, "nothing leaked"
+    store.check_integrity()

@@ -8,7 +8,9 @@ tests/tiers/test_fs.py and the end-to-end tests). Journals are fast here (tens o
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,9 @@ import pytest
 from store_helpers import (
     CHUNK_BYTES,
     NS,
+    SLOT_BYTES,
     MakeStore,
+    arena_name,
     expected,
     keys,
     load,
@@ -27,9 +31,14 @@ from store_helpers import (
     wait_until,
 )
 
+from kvtier.config import ServerConfig
+from kvtier.errors import TierIOError
 from kvtier.keys import ChunkKey
-from kvtier.store import TieredStore
+from kvtier.store import TieredStore, journal
+from kvtier.store.breaker import BreakerState
+from kvtier.store.housekeeping import probe_key, probe_tier
 from kvtier.store.records import ItemState
+from kvtier.store.sharing import MAX_TO_TOUCH, TOUCH_BATCH, Sharing
 from kvtier.store.sweeper import heartbeats, sweep, sweeper_of
 from kvtier.tiers.fs import FsTier
 
@@ -222,3 +231,158 @@ def test_journal_records_survive_garbage(ops: int) -> None:
     assert journal.decode(journal.encode([good])) == [good]
     assert journal.decode(b"\xc1 not msgpack") == []
     assert journal.decode(b"\x91\x94\xa1x\xc4\x01a\xc4\x01b\x01") == []  # wrong shapes
+
+
+class SlowTouchFs(FsTier):
+    """A real fs tier whose touches each take ``delay_s`` (a slow backend), counted."""
+
+    delay_s = 0.005
+    touched = 0
+
+    def touch(self, key: ChunkKey, *, namespace: bytes) -> None:
+        time.sleep(self.delay_s)
+        self.touched += 1
+        super().touch(key, namespace=namespace)
+
+
+def sharing_of(store: TieredStore) -> Sharing:
+    sharing = store.tiers[0].sharing
+    assert sharing is not None
+    return sharing
+
+
+def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
+            "io_threads": 1, "breaker": {"errors": 1, "error_ratio": 0.0,
+                                         "latency_budget_s": 0.5},
+            "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
+    store = make_store(tmp_path / "a", tiers=[tier])
+    store.rebuild()
+    state = store.tiers[0]
+    sharing = sharing_of(store)
+    slow = SlowTouchFs(state.name, state.config)
+    state.tier = sharing.tier = slow
+    hits = keys(MAX_TO_TOUCH + 5, "hit")
+    with store._locked("test"):
+        for key in hits:
+            sharing.used(key, NS)
+        assert len(sharing._to_touch) == MAX_TO_TOUCH, "the oldest are dropped"
+        assert sharing.touches_dropped == 5
+        while len(sharing._to_touch) > TOUCH_BATCH:  # one batch: ~1.3 s, 5 ms a touch
+            sharing._to_touch.pop()
+    assert wait_until(lambda: slow.touched == TOUCH_BATCH, 10.0)
+    settle(store)
+    assert state.breaker.state is BreakerState.CLOSED, "each touch is its own operation"
+
+
+class FlakyNotesFs(FsTier):
+    """A real fs tier whose next ``fail`` note reads fail (a backend blip)."""
+
+    fail = 1
+
+    def get_note(self, name: str) -> bytes | None:
+        if self.fail and name.startswith(journal.PREFIX):
+            self.fail -= 1
+            raise TierIOError(f"tier {self.name}: note read failed (test)")
+        return super().get_note(name)
+
+
+def test_a_journal_note_that_failed_to_fetch_is_fetched_again(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    state = b.tiers[0]
+    flaky = FlakyNotesFs(state.name, state.config)
+    sharing_of(b).tier = flaky
+    k = keys(2)
+    store_chunks(a, k)
+    settle(a)
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 3.0), "not skipped forever"
+    assert flaky.fail == 0, "the first fetch failed"
+    b.check_integrity()
+
+
+def test_a_note_dated_far_ahead_does_not_blind_the_readers(
+        tmp_path: Path, make_store: MakeStore, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    caplog.set_level(logging.WARNING, "kvtier.store")
+    ahead = int(time.time() * 1000) + 3_600_000  # a server whose clock is an hour fast
+    sharing_of(a).tier.put_note(journal.note_name(ahead, "fa57", 0), journal.encode([]))
+    assert wait_until(lambda: sharing_of(b)._seen.get(journal.note_name(ahead, "fa57", 0))
+                      is not None, 3.0)
+    k = keys(2)
+    store_chunks(a, k)
+    settle(a)
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 3.0), "still reads the others"
+    assert sum("ahead of this server's clock" in r.getMessage() for r in caplog.records) == 2, \
+        "one warning per reader"
+
+
+def test_two_servers_probing_one_shared_tier_use_probe_chunks_of_their_own(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a")
+    b = server(make_store, tmp_path, folder, "b")
+    assert probe_key("shared", a.instance) != probe_key("shared", b.instance)
+    errors: list[BaseException] = []
+
+    def probe_often(store: TieredStore) -> None:
+        try:
+            for _ in range(100):
+                probe_tier(store.tiers[0], store.instance)
+        except Exception as exc:  # recorded for the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=probe_often, args=(s,)) for s in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == [], "at once, neither deletes the other's probe under it"
+
+
+def big_slot_server(root: Path, folder: Path) -> TieredStore:
+    """A server with slots twice the tests' size on the shared folder (closed by the caller)."""
+    tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
+            "io_threads": 2, "options": {"path": str(folder), "fsync": False, **FAST}}
+    config = ServerConfig.from_dict({
+        "socket_path": str(root / "big.sock"),
+        "arena": {"size_bytes": 4 * 2 * SLOT_BYTES, "slot_bytes": 2 * SLOT_BYTES,
+                  "free_target": 0.0},
+        "tiers": [tier]})
+    store = TieredStore(config, arena_name=arena_name())
+    store.rebuild()
+    return store
+
+
+def test_a_chunk_larger_than_this_servers_slot_is_a_miss_not_corruption(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    folder = tmp_path / "volume"
+    big = big_slot_server(tmp_path, folder)
+    try:
+        small = server(make_store, tmp_path, folder, "small")
+        k = keys(1, "big")
+        store_chunks(big, k, n=SLOT_BYTES + 1000)  # fits only the big server's slots
+        settle(big)
+        state = small.tiers[0]
+        assert wait_until(lambda: k[0] in state, 3.0), "the books know of it"
+        assert small.lookup(k) == [], "but it is not offered: it cannot fit a slot here"
+        state.used += CHUNK_BYTES - state.sizes[k[0]]  # books that disagree with the tier:
+        state.sizes[k[0]] = CHUNK_BYTES                 # the read decides
+        assert small.lookup(k) == ["shared"]
+        assert load(small, k).payloads == [None], "a miss"
+        small.check_integrity()
+        assert sample(small, "kvtier_checksum_failures_total", tier="shared") == 0
+        assert k[0].hex() in listed(folder), "never quarantined or deleted"
+        settle(small)
+        time.sleep(0.3)  # a journal round: nothing told the big server to forget it
+        assert big.lookup(k) == ["arena"] and k[0] in big.tiers[0]
+        evict_arena(big, "evictor")
+        assert load(big, k, n=SLOT_BYTES + 1000) == (["shared"],
+                                                     expected(k, n=SLOT_BYTES + 1000))
+    finally:
+        big.close(drain_s=5)

@@ -34,13 +34,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.server")
 MAX_BODY = 64 * MAX_KEYS + 4096
+MAX_CONNECTIONS = 32
+"""Connections served at once; one more is closed at once (a scraper or router retries)."""
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them."""
+
+    request_queue_size = 2 * MAX_CONNECTIONS  # the listen backlog (the default is 5)
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("http: %d connections already; closing one more", MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class NodeHTTP:
-    def __init__(self, service: Service, host: str, port: int) -> None:
+    def __init__(self, service: Service, host: str, port: int, *, timeout_s: float = 10.0,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        """``timeout_s``: how long a connection may keep a handler waiting for its next
+        bytes (a client that opens one and sends nothing is closed then)."""
         self.service = service
-        handler = type("Handler", (_Handler,), {"node": self})
-        self.server = ThreadingHTTPServer((host, port), handler)
+        handler = type("Handler", (_Handler,), {"node": self, "timeout": timeout_s})
+        self.server = _BoundedServer((host, port), handler, max_connections)
         self.server.daemon_threads = True
         self.port = int(self.server.server_address[1])
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True,
@@ -114,8 +147,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(*self.node.get(self.path.split("?")[0]))
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.headers.get("Content-Length") or "0"
+        length = int(raw) if raw.isascii() and raw.isdigit() else -1
+        if length < 0:
+            self.close_connection = True  # what follows the headers cannot be framed
+            self._answer(*_json({"error": f"Content-Length: not a byte count ({raw!r})"}, 400))
+            return
         if length > MAX_BODY:
+            self.close_connection = True  # its body is left unread
             self._answer(*_json({"error": f"body over {MAX_BODY} bytes"}, 413))
             return
         self._answer(*self.node.post(self.path, self.rfile.read(length)))

@@ -216,7 +216,8 @@ class NodeServer:
         gets an error and is closed (returns None)."""
         assert self.service is not None and self.sessions is not None
         conn.settimeout(self.config.frame_timeout_s)  # the hello comes promptly, or never
-        body = read_frame(conn, self.config.max_message_bytes)
+        body = read_frame(conn, self.config.max_message_bytes,
+                          frame_timeout_s=self.config.frame_timeout_s)
         if body is None:
             return None
         try:
@@ -232,10 +233,14 @@ class NodeServer:
                                                  f"this server speaks {PROTOCOL_VERSION}: "
                                                  "upgrade one of them")))
             return None
-        caller = Caller(self.sessions.attach(hello.session), hello.session)
-        conn.settimeout(None)  # between messages a client may be idle for as long as it likes
-        conn.sendall(encode(self.service.hello()))
-        return caller
+        owner = self.sessions.attach(hello.session)
+        try:
+            conn.settimeout(None)  # between messages a client may be idle as long as it likes
+            conn.sendall(encode(self.service.hello()))
+        except BaseException:  # the client went before the reply: the session is not held
+            self.sessions.detach(hello.session, owner)
+            raise
+        return Caller(owner, hello.session)
 
     def _converse(self, conn: socket.socket, conn_id: int, caller: Caller) -> None:
         assert self.service is not None
@@ -271,8 +276,8 @@ class NodeServer:
         if self.config.metrics_port is None:
             return
         assert self.service is not None
-        self._http = NodeHTTP(self.service, self.config.metrics_host,
-                              self.config.metrics_port).start()
+        self._http = NodeHTTP(self.service, self.config.metrics_host, self.config.metrics_port,
+                              timeout_s=max(self.config.frame_timeout_s, 1.0)).start()
         self.metrics_port = self._http.port
         log.info("metrics and lookups on http://%s:%d/ (/metrics, /v1/lookup)",
                  self.config.metrics_host, self.metrics_port)

@@ -65,6 +65,11 @@ class CircuitBreaker:
             self._open(f"{failed} of {len(self._window)} operations failed or were too slow "
                        f"in {self.config.window_s:g} s (last: {cause})")
 
+    def trip(self, reason: str) -> None:
+        """Open now (the tier failed where one failure is enough: its listing at start)."""
+        if self.config.enabled and self.state is not BreakerState.OPEN:
+            self._open(reason)
+
     def probe_due(self) -> bool:
         """OPEN for the cool-down: move to HALF_OPEN and tell the caller to probe now."""
         if (self.state is BreakerState.OPEN

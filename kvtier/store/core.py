@@ -38,7 +38,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.config import ServerConfig
-from kvtier.errors import ConfigError, InvalidRequest
+from kvtier.errors import ConfigError, InvalidRequest, TierError
 from kvtier.keys import ChunkKey
 from kvtier.metrics import StoreMetrics
 from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy, check_priority
@@ -55,6 +55,7 @@ from kvtier.store.loads import Loads
 from kvtier.store.lower import LowerTierState
 from kvtier.store.promotions import Promotions
 from kvtier.store.records import Entry, LeaseRecord, Where
+from kvtier.store.scan import bounded_scan
 from kvtier.store.sharing import Sharing
 from kvtier.store.writes import Writes
 from kvtier.tiers.arena import Arena
@@ -108,7 +109,8 @@ class TieredStore:
         # Freeing ahead of need only pays when freeing means a write (write-back).
         ac = config.arena
         self._free_target = int(ac.free_target * ac.num_slots) if write_back else 0
-        self._housekeeper = Housekeeper(self.tiers, self._locked, self.clock)
+        self._housekeeper = Housekeeper(self.tiers, self._locked, self.clock,
+                                        self.instance)
         self._closed = False
         for state in self.tiers:
             if state.tier.shared:
@@ -162,33 +164,52 @@ class TieredStore:
     # ------------------------------------------------------------------ start
 
     def rebuild(self) -> int:
-        """Index what the lower tiers already hold (after a restart). Returns chunk count."""
-        count = 0
-        for state in self.tiers:
-            state.learn_space(state.tier.space())
-            started_ms = int(time.time() * 1000)
-            found = sorted(state.tier.scan(), key=lambda c: c.mtime, reverse=True)
-            if state.sharing is not None:  # others' chunks too; budgets are the sweeper's
-                state.sharing.listed(started_ms)
-                room = sum(c.size for c in found)
-            else:
-                room = state.capacity - state.used
-            kept: list[StoredChunk] = []
-            for chunk in found:  # the newest fill the tier; if it shrank, the oldest go
-                if chunk.size > room:
-                    with self._locked("rebuild"):
-                        self.writes.delete_later(state, chunk.key, chunk.namespace)
-                    continue
-                room -= chunk.size
-                kept.append(chunk)
-            with self._locked("rebuild"):
-                for chunk in reversed(kept):  # oldest first, as the eviction policy orders
-                    state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
-                    count += 1
-            log.info("tier %s: indexed %d chunks, %d bytes", state.name, len(state.sizes),
-                     state.used)
+        """Index what the lower tiers already hold (after a restart). Returns chunk count.
+
+        A tier whose listing fails or stalls (see :mod:`kvtier.store.scan`) starts empty with
+        its breaker open; the server serves from the arena and the other tiers meanwhile.
+        """
+        count = sum(self._rebuild_tier(state) for state in self.tiers)
         self._set_gauges()
         return count
+
+    def _rebuild_tier(self, state: LowerTierState) -> int:
+        started_ms = int(time.time() * 1000)
+        try:
+            space, listed = bounded_scan(state)
+        except TierError as exc:
+            self._unlisted(state, exc)
+            return 0
+        state.learn_space(space)
+        found = sorted(listed, key=lambda c: c.mtime, reverse=True)
+        if state.sharing is not None:  # others' chunks too; budgets are the sweeper's
+            state.sharing.listed(started_ms)
+            room = sum(c.size for c in found)
+        else:
+            room = state.capacity - state.used
+        kept: list[StoredChunk] = []
+        for chunk in found:  # the newest fill the tier; if it shrank, the oldest go
+            if chunk.size > room:
+                with self._locked("rebuild"):
+                    self.writes.delete_later(state, chunk.key, chunk.namespace)
+                continue
+            room -= chunk.size
+            kept.append(chunk)
+        with self._locked("rebuild"):
+            for chunk in reversed(kept):  # oldest first, as the eviction policy orders
+                state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
+        log.info("tier %s: indexed %d chunks, %d bytes", state.name, len(state.sizes),
+                 state.used)
+        return len(kept)
+
+    def _unlisted(self, state: LowerTierState, exc: TierError) -> None:
+        """The tier could not be listed at start: bypass it until a probe passes, then fill
+        its books (a shared tier by listing it again, a node-local one by a rescan)."""
+        log.warning("tier %s: cannot list what it holds at start (%s); starting with it "
+                    "empty and bypassed until it answers again", state.name, exc)
+        with self._locked("rebuild"):
+            state.breaker.trip(f"listing at start failed: {exc}")
+            state.rescan = state.sharing is None  # sharing relists a tier it fell behind on
 
     # ------------------------------------------------------------------ lookup
 
@@ -221,8 +242,10 @@ class TieredStore:
             if self.promotions.joinable(entry):
                 return entry.reading
             return None  # being written by a client, or a read that hangs
-        for state in self.tiers:
-            if key in state and state.available:
+        slot = self.index.arena.slot_bytes
+        for state in self.tiers:  # a chunk over a slot was written by a server with bigger ones
+            size = state.sizes.get(key)
+            if size is not None and size <= slot and state.available:
                 return state.name
         return None
 

@@ -4,6 +4,7 @@
   too long are marked late (their waiters fail, the breaker counts them);
 - circuit breakers: an open breaker whose cool-down is over gets its probe — a small sealed
   chunk written, read back, verified and deleted on the tier's own pool;
+- listing again: a tier whose listing failed at start is listed once its breaker closes;
 - space: every few seconds each tier's filesystem is asked what it can still hold.
 
 Each step holds the store lock only for the state it changes; the probe and ``statvfs``
@@ -14,29 +15,36 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import mmap
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from kvtier import codec
-from kvtier.errors import CorruptChunkError, TierIOError
+from kvtier.errors import CorruptChunkError, TierError, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store.iopool import Job
 from kvtier.store.lower import LowerTierState
+from kvtier.tiers.base import StoredChunk
 
+log = logging.getLogger("kvtier.store")
 Locked = Callable[[str], AbstractContextManager[None]]
 SPACE_CHECK_S = 5.0
 BATCH = 64
 """Jobs whose time ran out handled per lock hold."""
+RESCAN_BATCH = 4096
+"""Chunks found by a late listing indexed per lock hold."""
 PROBE_NAMESPACE = bytes(32)
 """Probe chunks live in a namespace of their own (all zeros), which no engine computes."""
 
 
 class Housekeeper:
     def __init__(self, tiers: list[LowerTierState], locked: Locked,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], instance: str = "") -> None:
         self.tiers = tiers
+        self.instance = instance
+        """This server's id: its probe chunks are its own on a tier others probe too."""
         self.locked = locked
         self.clock = clock
         self._space_checked = -SPACE_CHECK_S
@@ -44,10 +52,15 @@ class Housekeeper:
     def run(self) -> None:
         for state in self.tiers:
             self._overdue(state)
+            if state.full_until is not None:
+                with self.locked("space"):
+                    state.cool_down()
             with self.locked("breaker"):
                 due = state.breaker.probe_due()
             if due:
                 self._probe(state)
+            if state.rescan and state.available:
+                self._rescan(state)
         now = self.clock()
         if now - self._space_checked >= SPACE_CHECK_S:
             self._space_checked = now
@@ -68,7 +81,7 @@ class Housekeeper:
             start = time.perf_counter()
             error = ""
             try:
-                probe_tier(state)
+                probe_tier(state, self.instance)
             except Exception as exc:  # any failure keeps the breaker open
                 error = f"{type(exc).__name__}: {exc}"
             elapsed = time.perf_counter() - start
@@ -81,6 +94,40 @@ class Housekeeper:
 
         state.pool.submit(run, on_abandon=gave_up, on_late=gave_up)
 
+    def _rescan(self, state: LowerTierState) -> None:
+        """List a tier whose listing failed at start, now that it answers again: what it
+        holds and the books lack is indexed while it fits (newest first)."""
+        with self.locked("rescan"):
+            state.rescan = False
+
+        def again() -> None:
+            state.rescan = True
+
+        def run(_job: Job) -> None:
+            try:
+                found = sorted(state.tier.scan(), key=lambda c: c.mtime, reverse=True)
+            except TierError as exc:
+                log.warning("tier %s: listing it again failed: %s", state.name, exc)
+                with self.locked("rescan"):
+                    again()
+                return
+            for start in range(0, len(found), RESCAN_BATCH):
+                with self.locked("rescan"):
+                    self._index_found(state, found[start : start + RESCAN_BATCH])
+            log.info("tier %s: listed again, %d chunks, %d bytes in the books", state.name,
+                     len(state.sizes), state.used)
+
+        state.pool.submit(run, on_abandon=again)
+
+    @staticmethod
+    def _index_found(state: LowerTierState, chunks: list[StoredChunk]) -> None:
+        for chunk in chunks:
+            if chunk.key in state or chunk.key in state.deleting:
+                continue
+            if state.used + state.reserved + chunk.size > state.capacity:
+                return  # the rest stays on disk until the next start's listing
+            state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
+
     def _space(self, state: LowerTierState) -> None:
         def run(_job: Job) -> None:
             space = state.tier.space()
@@ -91,9 +138,15 @@ class Housekeeper:
         state.pool.submit(run)
 
 
-def probe_tier(state: LowerTierState) -> None:
+def probe_key(tier: str, instance: str) -> ChunkKey:
+    """The probe chunk of one server on one tier: servers probing a shared tier at once
+    never write, read or delete each other's."""
+    return ChunkKey(hashlib.sha256(f"kvtier-probe:{tier}:{instance}".encode()).digest())
+
+
+def probe_tier(state: LowerTierState, instance: str = "") -> None:
     """Write, read back, verify and delete one small chunk; raises if any step fails."""
-    key = ChunkKey(hashlib.sha256(b"kvtier-probe:" + state.name.encode()).digest())
+    key = probe_key(state.name, instance)
     size = codec.stored_size(codec.PAGE)
     buf = mmap.mmap(-1, 2 * size)  # page aligned, as O_DIRECT wants
     try:

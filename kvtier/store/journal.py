@@ -11,8 +11,11 @@ Each server batches its records for ``journal_interval_s`` and writes them as on
 Names sort by time, so a reader lists only the names after what it has applied. Clocks of
 different nodes disagree a little: a reader lists from ``SKEW_S`` before the newest note it
 applied and skips the names it has already seen, so a note from a server whose clock lags is
-still applied. Notes older than ``journal_keep_s`` are deleted by the sweeping server; a reader
-that fell further behind than that lists the whole tier again instead.
+still applied. The newest note counts only up to the reader's own clock, so a server whose clock
+runs ahead cannot move every reader's listing into the future. A note is seen once it was
+fetched and applied: one that failed to fetch is fetched again by the next poll. Notes older
+than ``journal_keep_s`` are deleted by the sweeping server; a reader that fell further behind
+than that lists the whole tier again instead.
 """
 
 from __future__ import annotations

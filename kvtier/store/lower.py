@@ -10,7 +10,8 @@ estimate::
     capacity = min(configured, what the filesystem can still hold)
 
 ``capacity`` is learned: at start and every few seconds from the filesystem's free space,
-and at once when a write fails with ENOSPC. Writes then evict older chunks to make room, and
+and at once when a write fails with ENOSPC (for a backend that cannot report its free space,
+until a cool-down passes). Writes then evict older chunks to make room, and
 the change is logged once (not once per chunk).
 """
 
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
     from kvtier.store.sharing import Sharing
 
 log = logging.getLogger("kvtier.store")
+FULL_COOL_DOWN_S = 5.0
+"""How long a tier without ``space()`` stays held to what it has after a write refused as full
+(the interval at which file tiers' free space is read)."""
 
 
 class LowerTierState:
@@ -50,6 +54,7 @@ class LowerTierState:
         self.events = events
         self.name = config.name
         self.tier = tier or TIERS[config.type].from_config(config.name, config)
+        self.clock = clock
         self.configured = config.capacity_bytes
         self.capacity = config.capacity_bytes
         self.chunk_bytes_hint = chunk_bytes_hint
@@ -70,6 +75,10 @@ class LowerTierState:
         self.breaker = CircuitBreaker(config.breaker, clock, on_breaker_change)
         self.reads = ReadEstimate()
         self.limited_by_filesystem = False
+        self.full_until: float | None = None
+        """Set while a tier without ``space()`` is held to what it has (see learn_space)."""
+        self.rescan = False
+        """The listing at start failed: list the tier once its breaker closes again."""
         self.sharing: Sharing | None = None
         """For a shared tier: what keeps these books in step with the other servers'."""
 
@@ -151,15 +160,22 @@ class LowerTierState:
 
     def learn_space(self, space: Space | None, full: bool = False) -> None:
         """Never promise more than the filesystem can hold (``full``: a write just failed
-        with ENOSPC, so it holds no more than what we have now)."""
+        with ENOSPC, so it holds no more than what we have now).
+
+        A tier that cannot say how much room it has (``space()`` is ``None``: Redis at
+        ``maxmemory``) is held to what it has only for ``FULL_COOL_DOWN_S``; then its
+        configured capacity is back (:meth:`cool_down`), so one refusal is not forever.
+        """
         if space is None and not full:
             return
+        if space is None:
+            self._full_backend()
+            return
         limit = self.configured
-        if space is not None:
-            keep = self.config.keep_free_bytes
-            if keep is None:
-                keep = max(self.chunk_bytes_hint, space.total // 100)
-            limit = min(limit, self.used + max(0, space.free - keep))
+        keep = self.config.keep_free_bytes
+        if keep is None:
+            keep = max(self.chunk_bytes_hint, space.total // 100)
+        limit = min(limit, self.used + max(0, space.free - keep))
         if full:
             limit = min(limit, self.used)
         limited = limit < self.configured
@@ -172,6 +188,23 @@ class LowerTierState:
                      self.name, self.configured)
         self.limited_by_filesystem = limited
         self.capacity = limit
+
+    def _full_backend(self) -> None:
+        if self.full_until is None:
+            log.warning("tier %s: the backend refused a write as full; capacity lowered from "
+                        "%d to %d bytes for %g s (older chunks are evicted to make room)",
+                        self.name, self.capacity, self.used, FULL_COOL_DOWN_S)
+        self.full_until = self.clock() + FULL_COOL_DOWN_S
+        self.capacity = min(self.capacity, self.used)
+
+    def cool_down(self) -> None:
+        """Give a tier that refused a write as full (no ``space()``) its capacity back once
+        ``FULL_COOL_DOWN_S`` passed without another refusal."""
+        if self.full_until is not None and self.clock() >= self.full_until:
+            self.full_until = None
+            self.capacity = self.configured
+            log.info("tier %s: capacity back to %d bytes (no write refused as full for %g s)",
+                     self.name, self.configured, FULL_COOL_DOWN_S)
 
     def check_integrity(self) -> None:
         if (set(self.sizes) != set(self.policy.order())

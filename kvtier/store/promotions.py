@@ -4,8 +4,10 @@ A lease of a chunk that only a lower tier holds takes a slot for it (PROMOTING) 
 one read on that tier's pool; later leases of the same chunk join it. When the read ends,
 :meth:`Promotions._done` publishes the chunk (its waiters' items turn READY, each pinning
 the slot) or drops it (they turn FAILED: a miss from there on). Every read is verified
-(header, key, checksum); a corrupt copy is quarantined and forgotten, a copy that only
-failed to read stays indexed. Reads are timed for the tier's :class:`ReadEstimate`.
+(header, key, namespace, checksum); a corrupt copy is quarantined and forgotten, a copy that
+only failed to read stays indexed, and one larger than this server's slots (a peer with bigger
+slots wrote it) is a plain miss: never quarantined, still indexed (lookups skip chunks whose
+size exceeds a slot). Reads are timed for the tier's :class:`ReadEstimate`.
 
 A read still running after ``io_timeout_s`` is *late*: its waiters fail at once and no new
 lease joins it, but its slot stays taken until the read returns (a late read could still
@@ -20,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvtier.codec import stored_size, verify
-from kvtier.errors import CorruptChunkError, TierError
+from kvtier.errors import ChunkTooLarge, CorruptChunkError, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.iopool import Job
@@ -71,11 +73,15 @@ class Promotions:
         view = self.index.arena.slot(entry.slot)
         start = time.perf_counter()
         header: ChunkHeader | None = None
-        corrupt, error = False, ""
+        corrupt, too_large, error = False, False, ""
         try:
             n = state.tier.read_into(entry.key, view, namespace=namespace)
             if n is not None:
-                header = verify(view[:n], entry.key)
+                header = verify(view[:n], entry.key, namespace or None)
+        except ChunkTooLarge as exc:  # written by a server with bigger slots: a plain miss
+            too_large = True
+            log.debug("chunk %s on %s does not fit a slot here: %s", entry.key.hex()[:16],
+                      state.name, exc)
         except CorruptChunkError as exc:
             corrupt, error = True, str(exc)
             self._quarantine(state, entry.key, namespace)
@@ -95,7 +101,7 @@ class Promotions:
         with self.cond:
             if not job.late:
                 state.breaker.record(not error or corrupt, elapsed, error)
-            self._done(entry, state, header, corrupt, error, elapsed)
+            self._done(entry, state, header, corrupt, error, elapsed, too_large=too_large)
 
     def _quarantine(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
         try:
@@ -106,7 +112,7 @@ class Promotions:
     # ------------------------------------------------------------------ outcomes (lock held)
 
     def _done(self, entry: Entry, state: LowerTierState, header: ChunkHeader | None,
-              corrupt: bool, error: str, elapsed: float) -> None:
+              corrupt: bool, error: str, elapsed: float, *, too_large: bool = False) -> None:
         self.in_flight -= 1
         self.late.discard(entry.key)
         entry.reading = None
@@ -127,7 +133,9 @@ class Promotions:
         else:
             if corrupt:
                 self.metrics.checksum_failures.labels(state.name).inc()
-            if error and not corrupt:
+            if too_large:
+                pass  # the tier holds it for others: neither forgotten nor journaled
+            elif error and not corrupt:
                 self.metrics.io_errors.labels(state.name, "read").inc()
             else:  # missing, or corrupt and quarantined: the tier no longer holds it
                 namespace = state.forget(entry.key)
@@ -149,5 +157,6 @@ class Promotions:
 
     def _abandoned(self, entry: Entry, state: LowerTierState) -> None:
         """The pool gave the read up before it started: nothing touches the slot."""
+        state.breaker.record(False, state.config.io_timeout_s, "read timed out in the queue")
         self.metrics.io_timeouts.labels(state.name, "read").inc()
         self._done(entry, state, None, False, "timed out in the queue", 0.0)

@@ -29,7 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
 import msgspec
@@ -48,6 +48,9 @@ from kvtier.tiers.shared import SharedTier
 log = logging.getLogger("kvtier.store")
 MAX_OUTBOX = 100_000
 MAX_TOUCHED = 100_000
+MAX_TO_TOUCH = 10_000
+"""Touches waiting for the backend; past this the oldest are dropped (best effort)."""
+TOUCH_BATCH = 256
 
 
 class Sharing:
@@ -66,8 +69,11 @@ class Sharing:
         self._seq = itertools.count()
         self._cursor_ms = 0
         self._seen: dict[str, int] = {}
+        self._warned_ahead = False
         self._touched: OrderedDict[ChunkKey, float] = OrderedDict()
-        self._to_touch: list[tuple[ChunkKey, bytes]] = []
+        self._to_touch: deque[tuple[ChunkKey, bytes]] = deque()
+        self.touches_dropped = 0
+        """Backend touches given up (the queue was full, or the tier failed a touch)."""
         self._busy: set[str] = set()
         self._due: dict[str, float] = {"sweep": time.monotonic() + self.opts.sweep_interval_s}
         """When each kind of job is next due (the first sweep waits one interval)."""
@@ -118,6 +124,9 @@ class Sharing:
         if len(self._touched) > MAX_TOUCHED:
             self._touched.popitem(last=False)
         self._add(journal.Record("t", namespace, key))
+        if len(self._to_touch) >= MAX_TO_TOUCH:
+            self._to_touch.popleft()
+            self.touches_dropped += 1
         self._to_touch.append((key, namespace))
 
     def _add(self, record: journal.Record) -> None:
@@ -185,7 +194,7 @@ class Sharing:
                 log.debug("%s on tier %s failed: %s", kind, self.state.name, exc)
             finally:
                 self._busy.discard(kind)
-            if kind != "sweep":
+            if kind not in ("sweep", "touch"):  # touches are counted one by one
                 with self.locked("sharing"):
                     self.state.breaker.record(not error, time.perf_counter() - start, error)
         return run
@@ -225,16 +234,25 @@ class Sharing:
             if parsed is None or name in self._seen:
                 continue
             ms, server = parsed
+            if server != self.server:  # a TierError here leaves the note to the next poll
+                data = self.tier.get_note(name)
+                if data is not None:  # None: deleted (swept) meanwhile
+                    with self.locked("journal"):
+                        self.apply(journal.decode(data))
             self._seen[name] = ms
-            self._cursor_ms = max(self._cursor_ms, ms)
-            if server == self.server:
-                continue
-            data = self.tier.get_note(name)
-            if data is not None:
-                with self.locked("journal"):
-                    self.apply(journal.decode(data))
+            self._advance(ms, now_ms)
         floor = self._cursor_ms - 2 * int(journal.SKEW_S * 1000)
         self._seen = {n: ms for n, ms in self._seen.items() if ms >= floor}
+
+    def _advance(self, ms: int, now_ms: int) -> None:
+        """Move the cursor to a note applied, never past this server's clock: a note dated
+        ahead (a peer whose clock runs fast) must not blind this reader to the others'."""
+        if ms > now_ms + int(journal.SKEW_S * 1000) and not self._warned_ahead:
+            self._warned_ahead = True
+            log.warning("tier %s: journal notes dated %.0f s ahead of this server's clock "
+                        "(a server's clock is off by more than %g s)", self.state.name,
+                        (ms - now_ms) / 1000, journal.SKEW_S)
+        self._cursor_ms = max(self._cursor_ms, min(ms, now_ms))
 
     def _relist(self, now_ms: int) -> None:
         """Too far behind the journal: make the books match a fresh listing."""
@@ -256,10 +274,23 @@ class Sharing:
         self.tier.put_note(f"{SERVERS}{self.server}", msgspec.msgpack.encode(beat))
 
     def _touch(self) -> None:
+        """Refresh a batch of hits' recency in the backend, each touch one operation for the
+        breaker (a long batch is not one slow operation). The first failure drops the rest
+        of the batch: touches are best effort."""
         with self.locked("sharing"):
-            batch, self._to_touch = self._to_touch[:256], self._to_touch[256:]
-        for key, namespace in batch:
-            self.tier.touch(key, namespace=namespace)
+            count = min(TOUCH_BATCH, len(self._to_touch))
+            batch = [self._to_touch.popleft() for _ in range(count)]
+        for done, (key, namespace) in enumerate(batch):
+            start = time.perf_counter()
+            try:
+                self.tier.touch(key, namespace=namespace)
+            except TierError as exc:
+                with self.locked("sharing"):
+                    self.state.breaker.record(False, time.perf_counter() - start, str(exc))
+                    self.touches_dropped += len(batch) - done
+                raise
+            with self.locked("sharing"):
+                self.state.breaker.record(True, time.perf_counter() - start)
 
     def _sweep(self) -> None:
         now = time.time()

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.store")
 _SEAL_LOCKS = [threading.Lock() for _ in range(64)]
+DELETE_TRIES = 3
+"""Tries of one delete (an evicted chunk's) before it is left for the tier's next listing."""
 
 
 class Writes:
@@ -111,7 +113,8 @@ class Writes:
             state.pool.submit(functools.partial(self._job, entry=entry, state=state,
                                                 doomed=victims, size=size),
                               on_abandon=functools.partial(self._abandoned, entry, state,
-                                                           victims, size))
+                                                           victims, size),
+                              on_late=functools.partial(self._late, state))
         if entry.demoting and not entry.writing:  # no tier took it
             self._demoted(entry)
 
@@ -162,8 +165,10 @@ class Writes:
             entry.sealed = True
             return True
 
-    def delete_now(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
-        """Delete ``key`` from the tier in this (I/O) thread, then clear its mark."""
+    def delete_now(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
+                   tries: int = 1) -> None:
+        """Delete ``key`` from the tier in this (I/O) thread, then clear its mark; a delete
+        that fails is queued again, up to ``DELETE_TRIES`` in all (``tries``: this one's)."""
         gone = False
         try:
             state.tier.delete(key, namespace=namespace)
@@ -176,13 +181,38 @@ class Writes:
                 state.deleting.discard(key)
                 if gone and state.sharing is not None:
                     state.sharing.deleted(key, namespace)
+                elif not gone:
+                    self._retry_delete(state, key, namespace, tries)
                 self.cond.notify_all()
 
-    def delete_later(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
-        """Queue a delete of a chunk already gone from the tier's books."""
+    def delete_later(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
+                     tries: int = 1) -> None:
+        """Queue a delete of a chunk already gone from the tier's books (lock held)."""
         state.deleting.add(key)
-        state.pool.submit(lambda _job: self.delete_now(state, key, namespace),
-                          on_abandon=lambda: state.deleting.discard(key))
+        try:
+            state.pool.submit(lambda _job: self.delete_now(state, key, namespace, tries),
+                              on_abandon=lambda: self._delete_abandoned(state, key, namespace,
+                                                                        tries))
+        except RuntimeError:  # closing: left for the next start's listing
+            state.deleting.discard(key)
+
+    def _delete_abandoned(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
+                          tries: int) -> None:
+        state.deleting.discard(key)
+        self.metrics.io_timeouts.labels(state.name, "delete").inc()
+        self._retry_delete(state, key, namespace, tries)
+        self.cond.notify_all()
+
+    def _retry_delete(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
+                      tries: int) -> None:
+        """A delete failed or was given up (lock held): queue it again, or give up on it."""
+        if key in state:  # indexed again meanwhile (a peer wrote it): keep it
+            return
+        if tries < DELETE_TRIES:
+            self.delete_later(state, key, namespace, tries + 1)
+        else:
+            log.warning("tier %s: chunk %s not deleted after %d tries; left on the tier for "
+                        "its next listing", state.name, key.hex()[:16], tries)
 
     # ------------------------------------------------------------------ outcomes (lock held)
 
@@ -204,11 +234,19 @@ class Writes:
             self._demoted(entry)
         self.cond.notify_all()
 
+    def _late(self, state: LowerTierState) -> None:
+        """The write runs past the timeout: a failure for the breaker (its own ending, if
+        it ever returns, is not counted again)."""
+        state.breaker.record(False, state.config.io_timeout_s, "write timed out")
+        self.metrics.io_timeouts.labels(state.name, "write").inc()
+
     def _abandoned(self, entry: Entry, state: LowerTierState,
                    doomed: list[tuple[ChunkKey, bytes]], size: int) -> None:
         """The pool gave the job up before it ran (the tier hangs)."""
-        for key, _namespace in doomed:  # never deleted: left for the next scan to find
+        for key, namespace in doomed:  # never deleted: queued again (bounded tries)
             state.deleting.discard(key)
+            self._retry_delete(state, key, namespace, 1)
+        state.breaker.record(False, state.config.io_timeout_s, "write timed out in the queue")
         self.metrics.io_timeouts.labels(state.name, "write").inc()
         self._done(entry, state, size, None, 0.0, "")
 

@@ -83,7 +83,8 @@ class LowerTier(ABC):
         """Read the chunk stored under ``key`` into the start of ``dst``.
 
         Returns the number of bytes read, or ``None`` if the tier does not hold ``key``.
-        A chunk larger than ``dst`` raises CorruptChunkError. Raises TierIOError.
+        A chunk larger than ``dst`` raises ChunkTooLarge (not this reader's chunk size; no
+        proof of corruption). Raises TierIOError.
         """
 
     @abstractmethod

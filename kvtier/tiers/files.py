@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier import codec
 from kvtier.config import ConfigStruct
-from kvtier.errors import ConfigError, CorruptChunkError, TierFull, TierIOError
+from kvtier.errors import ChunkTooLarge, ConfigError, TierFull, TierIOError
 from kvtier.tiers.base import Space
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -130,7 +130,7 @@ class FileIO:
 
     def read_into(self, path: str, view: memoryview) -> int | None:
         """Read the file at ``path`` into the start of ``view``; ``None`` if it is absent.
-        Raises CorruptChunkError when it does not fit."""
+        Raises ChunkTooLarge when it does not fit."""
         direct = self.o_direct and page_aligned(view)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
@@ -139,8 +139,8 @@ class FileIO:
         try:
             size = os.fstat(fd).st_size
             if size > len(view):
-                raise CorruptChunkError(f"chunk file {os.path.basename(path)} has {size} bytes, "
-                                        f"more than the {len(view)} given")
+                raise ChunkTooLarge(f"chunk file {os.path.basename(path)} has {size} bytes, "
+                                    f"more than the {len(view)} given")
             if direct and size % codec.PAGE:  # O_DIRECT reads whole pages only
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
             return read_fully(fd, view[:size])

@@ -32,7 +32,7 @@ from redis.exceptions import WatchError
 
 from kvtier import codec
 from kvtier.config import TierConfig
-from kvtier.errors import CorruptChunkError, TierIOError
+from kvtier.errors import ChunkTooLarge, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import StoredChunk
 from kvtier.tiers.redis_client import Calls, make_client
@@ -158,8 +158,8 @@ class RedisTier(SharedTier):
             return None
         out = memoryview(dst).cast("B")
         if len(data) > len(out):
-            raise CorruptChunkError(f"redis tier {self.name}: chunk {hexkey[:16]} holds "
-                                    f"{len(data)} bytes, more than the {len(out)} expected")
+            raise ChunkTooLarge(f"redis tier {self.name}: chunk {hexkey[:16]} holds "
+                                f"{len(data)} bytes, more than the {len(out)} expected")
         out[: len(data)] = data
         return len(data)
 

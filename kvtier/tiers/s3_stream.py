@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from kvtier.errors import CorruptChunkError, TierIOError
+from kvtier.errors import ChunkTooLarge, TierIOError
 
 
 class ViewStream(io.RawIOBase):
@@ -55,13 +55,13 @@ class ViewStream(io.RawIOBase):
 def read_body_into(body: Any, size: int, dst: memoryview, what: str) -> int:
     """Read a GET body of ``size`` bytes into the start of ``dst``; the body is closed.
 
-    An object larger than ``dst`` raises CorruptChunkError before a byte is read (the
+    An object larger than ``dst`` raises ChunkTooLarge before a byte is read (the
     connection is dropped, not drained); a body that ends early raises TierIOError.
     """
     try:
         if size > len(dst):
-            raise CorruptChunkError(f"{what}: the object holds {size} bytes, more than the "
-                                    f"{len(dst)} it may (not a chunk of this size)")
+            raise ChunkTooLarge(f"{what}: the object holds {size} bytes, more than the "
+                                f"{len(dst)} it may (not a chunk of this size)")
         view, got = dst[:size], 0
         while got < size:
             n = body.readinto(view[got:])

@@ -211,3 +211,44 @@ def test_a_frame_cut_in_half_then_closed_leaves_no_trace(make_server: MakeServer
     assert wait_until(lambda: sample(server, "kvtier_clients") == 0, 15.0)
     assert len(store.leases) == 0
     store.check_integrity()
+
+
+def test_a_client_gone_before_the_hello_reply_does_not_hold_its_session(
+        make_server: MakeServer) -> None:
+    server = make_server(orphan_grace_s=60.0)  # sessions stay listed while we look
+    tokens = [f"{i:08x}" for i in range(40)]
+    for token in tokens:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(server.socket_path)
+        sock.sendall(encode(Hello("gone", os.getpid(), session=token)))
+        sock.close()  # before the server replies: its reply meets a closed socket
+    assert server.sessions is not None
+    sessions = server.sessions
+
+    def all_detached() -> bool:
+        with sessions._lock:
+            held = [sessions._by_token[t].connections for t in tokens if t in sessions._by_token]
+        return len(held) == len(tokens) and not any(held)
+    assert wait_until(lambda: sample(server, "kvtier_clients") == 0, 5.0)
+    assert wait_until(all_detached, 5.0), "every session's connection count is back to 0"
+
+
+def test_a_client_trickling_a_message_is_cut_off_after_frame_timeout(
+        make_server: MakeServer) -> None:
+    server = make_server(frame_timeout_s=0.5)
+    with connect(server) as sock:
+        sock.sendall(encode(Hello("trickler", os.getpid())))
+        answer(sock)
+        frame = encode(Lookup(keys(4)))
+        start = time.monotonic()
+        for byte in frame:  # one byte per 0.2 s: each recv is quick, the whole is not
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            if time.monotonic() - start > 3.0:
+                break
+            time.sleep(0.2)
+        elapsed = time.monotonic() - start
+        assert elapsed < 2.0, f"still connected after {elapsed:.1f} s of trickling"
+        assert hung_up(sock)

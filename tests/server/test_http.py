@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
-from store_helpers import NS, MakeServer, client_store, keys
+from store_helpers import NS, MakeServer, client_store, keys, wait_until
 
 from kvtier.client import KvtierClient
 from kvtier.protocol import Events, Register
+from kvtier.server.http import MAX_CONNECTIONS
 
 
 def fetch(port: int, path: str, body: Any = None) -> tuple[int, Any]:
@@ -74,3 +77,45 @@ def test_events_report_what_was_stored_and_removed(make_server: MakeServer) -> N
         assert [op for _s, op, _t, _k in later.events] == ["removed", "stored"]
         assert later.events[0][3] == k[1] and not later.lost
         assert client.call(Events(0, b"\x00" * 32)).events == [], "another namespace's"
+
+
+def raw_post(port: int, length: str) -> tuple[int, bytes]:
+    """A POST whose Content-Length header is ``length`` as given; (status, whole answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
+                     f"\r\n{{}}".encode())
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes after a refused length
+            answer += chunk
+    return int(answer.split(b" ", 2)[1]), answer
+
+
+def test_a_content_length_that_is_not_a_byte_count_is_refused(
+        make_server: MakeServer) -> None:
+    server = make_server(metrics_port=0)
+    assert server.metrics_port
+    for bad in ("-1", "-100000", "abc", "1e3"):
+        status, answer = raw_post(server.metrics_port, bad)
+        assert status == 400 and b"not a byte count" in answer, bad
+    assert fetch(server.metrics_port, "/healthz")[0] == 200, "and it still serves"
+
+
+def test_idle_http_connections_are_closed_and_bounded(make_server: MakeServer) -> None:
+    server = make_server(metrics_port=0, frame_timeout_s=2.0)
+    port = server.metrics_port
+    assert port
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5)
+            for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)  # all accepted, each holding a handler
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            start = time.monotonic()
+            assert extra.recv(1) == b"", "one connection more is closed at once"
+            assert time.monotonic() - start < 1.0
+        start = time.monotonic()
+        assert idle[0].recv(1) == b"", "an idle connection is closed after the timeout"
+        assert 1.0 < time.monotonic() - start < 4.0
+    finally:
+        for sock in idle:
+            sock.close()
+    assert wait_until(lambda: fetch(port, "/healthz")[0] == 200, 5.0), "slots free again"
