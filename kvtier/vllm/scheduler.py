@@ -324,8 +324,12 @@ class SchedulerSide:
         keys = self._keys(st)[start:end]
         if self.chunks_seen is not None:
             self.chunks_seen(st.req_id, start, keys)
+        # If the reply is lost, abort what it may have reserved (not other requests' stores).
+        mine = [k for k in keys if k not in self._pending]
+        undo = Abort(mine) if mine else None
         reply = self.link.call(Reserve(self.ns.fingerprint, keys, self.layout.payload_len,
-                                       self.chunk_tokens, self._priority(st), start), None)
+                                       self.chunk_tokens, self._priority(st), start), None,
+                               undo=undo)
         slots = reply.slots if reply is not None else [None] * len(keys)
         granted = [(start + i, k, s) for i, (k, s) in enumerate(zip(keys, slots, strict=True))
                    if s is not None]
