@@ -12,8 +12,10 @@ from collections.abc import Iterator, Mapping
 
 METRICS: dict[str, tuple[str, bool]] = {
     # name: (help, labelled by tier)
-    "query_tokens": ("Prompt tokens looked up in kvtier beyond vLLM's own prefix cache", False),
-    "hit_tokens": ("Prompt tokens kvtier could serve at admission, by tier", True),
+    "query_tokens": ("Prompt tokens looked up in kvtier beyond vLLM's own prefix cache, "
+                     "hit or miss (once per request)", False),
+    "hit_tokens": ("Of those, tokens kvtier leased for loading at the request's first "
+                   "admission, by tier", True),
     "loaded_tokens": ("Tokens loaded into vLLM's KV cache, by the tier they came from", True),
     "failed_load_tokens": ("Tokens whose load failed (missing, corrupt, late): recomputed",
                            False),

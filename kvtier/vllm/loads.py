@@ -52,7 +52,8 @@ def readiness(load: LoadState, link: ServerLink, now: float) -> list[bool] | Non
 
 
 def make_job(req_id: str, load: LoadState, ready: list[bool], block_size: int) -> LoadJob:
-    """The worker's job for the usable prefix; records loaded and failed tokens in ``load``."""
+    """The worker's job for the usable prefix; records loaded and failed tokens and the
+    chunks served in ``load``."""
     job = LoadJob(req_id, load.arena)
     usable = next((i for i, ok in enumerate(ready) if not ok), len(ready))
     for chunk in load.chunks[:usable]:
@@ -62,6 +63,7 @@ def make_job(req_id: str, load: LoadState, ready: list[bool], block_size: int) -
         job.positions += chunk.positions
         tokens = len(chunk.block_ids) * block_size
         load.loaded[chunk.tier] = load.loaded.get(chunk.tier, 0) + tokens
+        load.served.append(chunk.index)
     for chunk in load.chunks[usable:]:
         job.failed_block_ids += chunk.block_ids
         load.failed += len(chunk.block_ids) * block_size

@@ -14,8 +14,9 @@ Rules it keeps (vLLM 0.32's contract, see docs/vllm.md):
   as failed blocks; vLLM (``kv_load_failure_policy="recompute"``) recomputes from there.
 - Load or recompute: the tail of a hit that would arrive later than recomputing it is not
   loaded (:mod:`kvtier.vllm.recompute`); its tokens are counted as skipped, by tier.
-- Stores: each step, the full prompt chunks that step computes are reserved; workers copy
-  them after the forward; a chunk is committed once every rank confirmed it, else aborted.
+- Stores: each step, the full prompt chunks that step computes are reserved (not those the
+  request loaded from kvtier: they are there); workers copy them after the forward; a chunk
+  is committed once every rank confirmed it, else aborted.
 """
 
 from __future__ import annotations
@@ -125,13 +126,16 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         if st is None:
             return 0
-        st.plan = None
+        st.plan, st.asked_at = None, num_computed
         if st.load_failed or not (self.cfg.load and st.info.options.load and st.info.tokens):
             return 0
         keys = self._keys(st)
         start = num_computed // self.chunk_tokens
         if start >= len(keys):
             return 0
+        if not st.looked_up:  # vLLM asks again while the request waits: counted once
+            st.looked_up = True
+            self.counters.add("query_tokens", len(st.info.tokens) - num_computed)
         reply = self.link.call(Lookup(keys[start:], self.ns.short, len(st.info.tokens),
                                       self.chunk_tokens), None)
         if reply is None or not reply.tiers:
@@ -169,12 +173,8 @@ class SchedulerSide:
             return
         now = self.clock()
         if plan is None or plan.hit_tokens(self.chunk_tokens) != num_external:
-            # vLLM wants a load we did not plan: fail every block, vLLM recomputes it all.
-            failed = [ChunkLoad(0, None, "none", list(block_ids), [0] * len(block_ids))]
-            st.load = LoadState(None, "", failed, False, now, now, account=first)
-            self._loads[req_id] = st
+            self._unplanned_load(st, block_ids, num_external, now, first)
             return
-        self.counters.add("query_tokens", len(st.info.tokens) - plan.local_tokens)
         lease = self._lease(st, plan)
         st.load = LoadState(
             lease.lease_id if lease else None,
@@ -185,6 +185,24 @@ class SchedulerSide:
         self._loads[req_id] = st
         if first:
             st.accounting.device = plan.local_tokens  # type: ignore[union-attr]
+            for chunk in st.load.chunks:  # what kvtier provides beyond vLLM's own hit
+                if chunk.slot is not None:
+                    self.counters.add("hit_tokens", len(chunk.block_ids) * self.block_size,
+                                      chunk.tier)
+
+    def _unplanned_load(self, st: ReqState, block_ids: list[int], num_external: int,
+                        now: float, first: bool) -> None:
+        """vLLM wants a load we did not plan: fail the blocks of the external tokens (not
+        vLLM's own prefix blocks, which running requests may share); vLLM recomputes them."""
+        local = st.asked_at or 0
+        first_block = local // self.block_size
+        end_block = -(-(local + num_external) // self.block_size)
+        blocks = list(block_ids[first_block:end_block])
+        failed = [ChunkLoad(0, None, "none", blocks, [0] * len(blocks))]
+        st.load = LoadState(None, "", failed, False, now, now, account=first)
+        self._loads[st.req_id] = st
+        if first:
+            st.accounting.device = local  # type: ignore[union-attr]
 
     def _count_skipped(self, st: ReqState, plan: HitPlan, account: bool) -> None:
         for tier, tokens in plan.skipped.items():
@@ -199,10 +217,7 @@ class SchedulerSide:
         keys = self._keys(st)[plan.start_chunk : plan.start_chunk + len(plan.tiers)]
         if self.chunks_seen is not None:
             self.chunks_seen(st.req_id, plan.start_chunk, keys)
-        lease = self.link.call(Lease(keys), None)
-        for tier in (lease.tiers if lease else []):
-            self.counters.add("hit_tokens", self.chunk_tokens, tier)
-        return lease
+        return self.link.call(Lease(keys), None)
 
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the planned load by tier (for vLLM's cached-by-source metric)."""
@@ -264,6 +279,7 @@ class SchedulerSide:
 
     def _account_load(self, st: ReqState, load: LoadState) -> None:
         st.load_failed = st.load_failed or load.failed > 0
+        st.in_kvtier.update(load.served)  # not reserved again (unless the worker fails it)
         for tier, tokens in load.loaded.items():
             self.counters.add("loaded_tokens", tokens, tier)
         self.counters.add("failed_load_tokens", load.failed)
@@ -297,7 +313,8 @@ class SchedulerSide:
                 continue
             end = min(end, len(block_ids) // bpc)
             start, st.stored_upto = st.stored_upto, max(st.stored_upto, end)
-            jobs += self._reserve(st, start, end, block_ids)
+            for lo, hi in _runs_outside(start, end, st.in_kvtier):
+                jobs += self._reserve(st, lo, hi, block_ids)
         return jobs
 
     def _reserve(self, st: ReqState, start: int, end: int, block_ids: list[int]
@@ -307,8 +324,12 @@ class SchedulerSide:
         keys = self._keys(st)[start:end]
         if self.chunks_seen is not None:
             self.chunks_seen(st.req_id, start, keys)
+        # If the reply is lost, abort what it may have reserved (not other requests' stores).
+        mine = [k for k in keys if k not in self._pending]
+        undo = Abort(mine) if mine else None
         reply = self.link.call(Reserve(self.ns.fingerprint, keys, self.layout.payload_len,
-                                       self.chunk_tokens, self._priority(st), start), None)
+                                       self.chunk_tokens, self._priority(st), start), None,
+                               undo=undo)
         slots = reply.slots if reply is not None else [None] * len(keys)
         granted = [(start + i, k, s) for i, (k, s) in enumerate(zip(keys, slots, strict=True))
                    if s is not None]
@@ -355,7 +376,9 @@ class SchedulerSide:
             return
         st.load_failed = True
         load, acc = st.load, st.accounting
-        # The worker copied none of it: what was counted as loaded is recomputed.
+        # The worker copied none of it: what was counted as loaded is recomputed (and
+        # stored again).
+        st.in_kvtier.difference_update(load.served)
         lost = sum(load.loaded.values())
         self.counters.add("failed_load_tokens", lost)
         if load.account and acc is not None:
@@ -442,3 +465,15 @@ class SchedulerSide:
     def _priority(self, st: ReqState) -> int:
         p = st.info.options.priority
         return self.cfg.priority if p is None else p
+
+
+def _runs_outside(start: int, end: int, skip: set[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive chunk indices in [start, end) that are not in ``skip``."""
+    runs: list[tuple[int, int]] = []
+    lo = start
+    for c in range(start, end + 1):
+        if c == end or c in skip:
+            if c > lo:
+                runs.append((lo, c))
+            lo = c + 1
+    return runs

@@ -70,6 +70,8 @@ class LoadState:
     """Tokens handed to the worker to load, by tier."""
     failed: int = 0
     """Tokens that could not be served (their blocks are reported failed)."""
+    served: list[int] = field(default_factory=list)
+    """Indices of the chunks handed to the worker to load."""
 
 
 @dataclass
@@ -83,6 +85,8 @@ class Accounting:
     skipped: dict[str, int] = field(default_factory=dict)
     """Hit tokens recomputed because loading them was slower, by tier."""
     stored_chunks: int = 0
+    """Chunks reserved for this request and handed to the workers to write (commits come
+    too late: vLLM returns a request's kv_transfer_params before its last step's output)."""
     device_from_schedule: bool = False
     """The device hit is read from the first scheduled step (it may include a partial block
     that vLLM hides from the connector)."""
@@ -108,9 +112,16 @@ class ReqState:
     info: RequestInfo
     keys: list[ChunkKey] | None = None
     plan: HitPlan | None = None
+    asked_at: int | None = None
+    """``num_computed`` (vLLM's own hit) of vLLM's last question about this request."""
+    looked_up: bool = False
+    """Counted in ``query_tokens`` (once per request)."""
     load: LoadState | None = None
     stored_upto: int = 0
     """Chunks [0, stored_upto) were considered for storing already."""
+    in_kvtier: set[int] = field(default_factory=set)
+    """Chunks this request loaded from kvtier: they are stored there, so they are not
+    reserved again (a failed load takes its chunks out again: they are recomputed)."""
     accounting: Accounting | None = None
     finished: bool = False
     load_failed: bool = False
