@@ -208,6 +208,10 @@ class Router:
                 return await self._attempt(req, decision, request, received)
             except BackendFailed as exc:
                 backend = decision.backend
+                if not exc.retry:  # it may still be generating: never send it twice
+                    log.warning("backend %s %s; not retried", backend.name, exc)
+                    self.metrics.timeouts.labels(backend.name).inc()
+                    return error_response(504, f"the backend {exc}")
                 self.metrics.retries.labels(backend.name).inc()
                 log.warning("backend %s failed before answering (%s); retrying elsewhere",
                             backend.name, exc)
@@ -237,6 +241,8 @@ class Router:
         self.accounting.record(req, decision, outcome, flight, received)
         if "cut" in outcome.extra:
             self.pool.set_health(backend, False, f"stream cut: {outcome.extra['cut']}")
+        elif "timed_out" in outcome.extra:  # slow, not gone: it stays in
+            self.metrics.timeouts.labels(backend.name).inc()
         return response
 
     def _remember(self, req: RoutedRequest, decision: Decision) -> None:
