@@ -12,17 +12,15 @@ lines::
     register_stack("mine", "what it is", _start_mine)
 
 Every process runs in its own session (process group) with its output in the work folder;
-``Stack.stop`` sends SIGTERM to each group it started (last started first), and SIGKILL
-after a grace period.
+``Stack.stop`` sends SIGTERM to each group it started (last started first), whether or not
+its leader is still alive, and SIGKILL to what is left after a grace period.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.errors import ConfigError, KvtierError, UnknownBackendError
+from kvtier.groups import stop_group
 
 VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 
@@ -182,19 +181,9 @@ def _wait(spec: ProcSpec, proc: Proc, timeout_s: float) -> None:
 
 
 def _stop(popen: subprocess.Popen[bytes], timeout_s: float) -> None:
-    if popen.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(popen.pid, signal.SIGTERM)  # the session this stack started, by its id
-    try:
-        popen.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
-        popen.wait(timeout=30)
-    # children of a leader that exited first (e.g. vLLM's EngineCore) go with the group
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
+    # the whole group, even when its leader has exited: vLLM's EngineCore outlives a crashed
+    # API server, and would go on using the cores the next stack is measured on
+    stop_group(popen, timeout_s)
 
 
 _CAUSE = re.compile(r"\b(?:[A-Z][A-Za-z]*Error|Exception)\b: .*")
