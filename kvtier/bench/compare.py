@@ -49,8 +49,9 @@ def load_metrics(path: str) -> Metrics:
     for name, value in source.items():
         if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
             # json.loads reads NaN and Infinity: such a value is missing, never compared
-            finite = value is not None and math.isfinite(value)
-            metrics[str(name)] = float(value) if finite else None
+            number = None if value is None else float(value)
+            metrics[str(name)] = number if number is not None and math.isfinite(number) \
+                else None
     if not any(v is not None for v in metrics.values()):
         raise ConfigError(f"{path}: no numeric metrics found")
     return metrics
