@@ -41,7 +41,8 @@ class VerifyOptions:
     """The instances' own URLs, in the order of ``kvtier_servers`` (tells who served)."""
     shared_path: Path | None = None
     model: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """Never shown (not in the repr, never printed)."""
     api: str = "completions"
     prefix_chars: int = 12000
     max_tokens: int = 4
