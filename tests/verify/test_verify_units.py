@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.verify.observe import Snapshot, chunk_files, counters, hits_by_tier, served_by
-from kvtier.verify.run import VerifyOptions
+from kvtier.verify.run import Sent, Verification, VerifyOptions
 
 METRICS = """# HELP kvtier_hits_total Chunks leased
 kvtier_hits_total{tier="arena"} 3.0
@@ -157,3 +157,51 @@ def test_the_api_key_comes_from_the_environment_or_a_file_and_is_never_printed(
         assert set(entry.seen) == {f"Bearer {SECRET}"}
     finally:
         entry.close()
+
+
+class _Scripted(Verification):
+    """Step 5's logic on scripted answers: ``send`` returns the next prepared request (the
+    HTTP path is covered by the tests above and the vLLM end-to-end test)."""
+
+    def __init__(self, answers: list[Sent]) -> None:
+        self.lines: list[str] = []
+        super().__init__(VerifyOptions(url="http://x:1", attempts=3), say=self.lines.append)
+        self.shared = {"shared"}
+        self.answers = answers
+
+    def send(self, suffix: str, user: str | None = None) -> Sent:
+        return self.answers.pop(0)
+
+
+def _sent(instance: int | None, shared_chunks: int = 0) -> Sent:
+    return Sent(0.1, {}, instance, {"shared": shared_chunks} if shared_chunks else {})
+
+
+def _step5(first: Sent, second: Sent | None, later: list[Sent]) -> tuple[bool, str]:
+    v = _Scripted(later)
+    ok = v.another_instance(first, second)
+    return ok, v.lines[-1]
+
+
+def test_step_5_without_a_known_home_does_not_count_step_4s_own_request() -> None:
+    # step 2's instance unknown; step 4 on instance 0 got shared hits; the rest stay on 0
+    ok, line = _step5(_sent(None), _sent(0, shared_chunks=5), [_sent(0), _sent(0), _sent(0)])
+    assert not ok and "went to instance 0 (which served step 4)" in line, line
+
+
+def test_step_5_without_a_known_home_needs_another_instance_than_step_4s() -> None:
+    ok, line = _step5(_sent(None), _sent(0, shared_chunks=5), [_sent(0), _sent(1, 3)])
+    assert ok and "instance 1 (not instance 0, which served step 4)" in line, line
+
+
+def test_step_5_fails_when_no_instance_is_known() -> None:
+    ok, line = _step5(_sent(None), _sent(None, shared_chunks=5), [_sent(None, 5)] * 3)
+    assert not ok and "cannot tell which instance" in line, line
+
+
+def test_step_5_counts_step_4_when_it_went_elsewhere_than_the_home() -> None:
+    ok, line = _step5(_sent(0), _sent(1, shared_chunks=2), [])
+    assert ok and "instance 1 (not instance 0, which computed it)" in line, line
+    ok, line = _step5(_sent(0), _sent(0, shared_chunks=2), [_sent(0), _sent(None, 4),
+                                                            _sent(0)])
+    assert not ok and "went to instance 0 (which computed it)" in line, line
