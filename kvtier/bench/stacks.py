@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier import ports
 from kvtier.errors import ConfigError, KvtierError, UnknownBackendError
 from kvtier.groups import stop_group
 
@@ -116,9 +117,7 @@ def get_stack(name: str) -> StackSpec:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()
 
 
 def http_ready(url: str) -> Callable[[], bool]:
@@ -267,7 +266,7 @@ def _start_lmcache(env: StackEnv) -> Stack:
     from kvtier.bench.peers import ensure_lmcache
 
     python = str(ensure_lmcache(log_file=env.workdir.parent / "lmcache-install.log"))
-    port, mp_port = free_port(), free_port()
+    port, mp_port = ports.free_ports(2)  # distinct: both are held while they are picked
     server = ProcSpec("lmcache-server", [
         python, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
         "--port", str(mp_port), "--l1-size-gb", f"{env.lmcache_l1_gb:g}",
@@ -299,7 +298,8 @@ def _start_arena_shared(env: StackEnv) -> Stack:
 def _two_instances(router: str, policy: str) -> Callable[[StackEnv], Stack]:
     """``kvtier serve --instances 2`` (one core each, one shared fs tier) behind ``router``."""
     def start(env: StackEnv) -> Stack:
-        port = free_port()
+        # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102
+        port = ports.free_base((0, 1, 2, 101, 102))
         argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
                 "--port", str(port), "--router", router, "--router-policy", policy,
                 "--shared", str(env.workdir / "shared"), "--shared-size", str(env.disk_bytes),
