@@ -23,13 +23,14 @@ def test_a_slow_whole_answer_is_a_504_sent_once_and_the_backend_stays_in() -> No
                 router_config(backends, health_interval_s=60, request_timeout_s=0.3)
                 ) as router, aiohttp.ClientSession() as s:
             url = f"http://127.0.0.1:{router.port}/v1/completions"
-            status, doc, _ = await post(s, url, completion())
+            status, doc, headers = await post(s, url, completion())
             assert status == 504, doc
             assert "timed out" in doc["error"]["message"]
             sent = [len(b.seen) for b in backends]
             assert sorted(sent) == [0, 0, 1], f"sent to one backend only, not {sent}"
             assert all(b.healthy for b in router.pool), "a slow backend is not down"
             served = backends[sent.index(1)].url
+            assert headers["X-Kvtier-Backend"] == served
             assert _timeouts(router, served) == 1
             retries = [router.metrics.registry.get_sample_value(
                 "kvtier_router_retries_total", {"backend": b.url}) or 0 for b in backends]
