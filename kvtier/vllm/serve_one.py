@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from kvtier.vllm.serve import ServePlan
 
 READY_TIMEOUT_S = 900.0
-STOP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 45.0
+"""Under what those who stop ``kvtier serve`` wait before they SIGKILL its own group (60 s in
+a sweep, 90 s in a stack): vLLM's group is not theirs, so it must be gone by then."""
 
 
 def serve_one(plan: ServePlan, demo: bool) -> int:
@@ -117,7 +119,7 @@ def _forward_signals(child: subprocess.Popen[bytes]) -> list[int]:
 
 def _stop(child: subprocess.Popen[bytes]) -> int:
     """SIGTERM vLLM's API server (it stops its EngineCore), then its group: what is left
-    of it, also when the API server has exited; SIGKILL after 60 s."""
+    of it, also when the API server has exited; SIGKILL after STOP_TIMEOUT_S."""
     return stop_group(child, STOP_TIMEOUT_S, leader_first=True)
 
 
