@@ -3,14 +3,16 @@
 Prints every metric both runs have, side by side with candidate / baseline, then each rule's
 verdict; exits 1 when a rule is broken (naming it), 2 when a rule or a file is unusable, 0
 otherwise. Metrics are the ``metrics`` object of a ``bench multiround`` result, or the
-top-level numbers of any other figures file (``bench ttft``, ``bench micro``). Rules are
-parsed by :mod:`kvtier.bench.rules`, never evaluated as Python.
+top-level numbers of any other figures file (``bench ttft``, ``bench micro``); ``NaN`` and
+``Infinity`` (which JSON readers accept) count as missing. Rules are parsed by
+:mod:`kvtier.bench.rules`, never evaluated as Python.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,7 +48,10 @@ def load_metrics(path: str) -> Metrics:
     metrics: Metrics = {}
     for name, value in source.items():
         if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
-            metrics[str(name)] = None if value is None else float(value)
+            # json.loads reads NaN and Infinity: such a value is missing, never compared
+            number = None if value is None else float(value)
+            metrics[str(name)] = number if number is not None and math.isfinite(number) \
+                else None
     if not any(v is not None for v in metrics.values()):
         raise ConfigError(f"{path}: no numeric metrics found")
     return metrics

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ServiceStartError
+from kvtier.ports import free_ports
 
 MODEL = "stub"
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench(requests: int, concurrency: int, duration_s: float, strategy: str) -> dict[str, Any]:
-    stub_port, router_port = _free_port(), _free_port()
+    stub_port, router_port = free_ports(2)
     stub = _spawn([sys.executable, "-m", "kvtier.bench.stub_backend", "--port",
                    str(stub_port)])
     router = None
@@ -200,7 +200,3 @@ def _wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -
     raise ServiceStartError(f"{url} did not come up within {timeout_s:.0f} s")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -379,8 +379,10 @@ def _eval(node: Node, sides: Mapping[str, Mapping[str, float | None]], steps: li
         return node.value
     if isinstance(node, Metric):
         value = sides[node.side].get(node.name)
-        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-            raise RuleError(f"metric {node.name!r} has no value in the {node.side}")
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value):  # NaN passes `not x > y`: missing, refused
+            raise RuleError(f"metric {node.name!r} has no value in the {node.side}"
+                            + ("" if value is None else f" ({value!r} is not a number)"))
         return float(value)
     if isinstance(node, Neg):
         return -_num(node.operand, sides, steps)

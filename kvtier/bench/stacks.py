@@ -12,17 +12,15 @@ lines::
     register_stack("mine", "what it is", _start_mine)
 
 Every process runs in its own session (process group) with its output in the work folder;
-``Stack.stop`` sends SIGTERM to each group it started (last started first), and SIGKILL
-after a grace period.
+``Stack.stop`` sends SIGTERM to each group it started (last started first), whether or not
+its leader is still alive, and SIGKILL to what is left after a grace period.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier import ports
 from kvtier.errors import ConfigError, KvtierError, UnknownBackendError
+from kvtier.groups import stop_group
 
 VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 
@@ -117,9 +117,7 @@ def get_stack(name: str) -> StackSpec:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()
 
 
 def http_ready(url: str) -> Callable[[], bool]:
@@ -182,19 +180,9 @@ def _wait(spec: ProcSpec, proc: Proc, timeout_s: float) -> None:
 
 
 def _stop(popen: subprocess.Popen[bytes], timeout_s: float) -> None:
-    if popen.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(popen.pid, signal.SIGTERM)  # the session this stack started, by its id
-    try:
-        popen.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
-        popen.wait(timeout=30)
-    # children of a leader that exited first (e.g. vLLM's EngineCore) go with the group
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
+    # the whole group, even when its leader has exited: vLLM's EngineCore outlives a crashed
+    # API server, and would go on using the cores the next stack is measured on
+    stop_group(popen, timeout_s)
 
 
 _CAUSE = re.compile(r"\b(?:[A-Z][A-Za-z]*Error|Exception)\b: .*")
@@ -278,7 +266,7 @@ def _start_lmcache(env: StackEnv) -> Stack:
     from kvtier.bench.peers import ensure_lmcache
 
     python = str(ensure_lmcache(log_file=env.workdir.parent / "lmcache-install.log"))
-    port, mp_port = free_port(), free_port()
+    port, mp_port = ports.free_ports(2)  # distinct: both are held while they are picked
     server = ProcSpec("lmcache-server", [
         python, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
         "--port", str(mp_port), "--l1-size-gb", f"{env.lmcache_l1_gb:g}",
@@ -310,7 +298,8 @@ def _start_arena_shared(env: StackEnv) -> Stack:
 def _two_instances(router: str, policy: str) -> Callable[[StackEnv], Stack]:
     """``kvtier serve --instances 2`` (one core each, one shared fs tier) behind ``router``."""
     def start(env: StackEnv) -> Stack:
-        port = free_port()
+        # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102
+        port = ports.free_base((0, 1, 2, 101, 102))
         argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
                 "--port", str(port), "--router", router, "--router-policy", policy,
                 "--shared", str(env.workdir / "shared"), "--shared-size", str(env.disk_bytes),

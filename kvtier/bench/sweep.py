@@ -340,11 +340,10 @@ def run(args: argparse.Namespace) -> int:
     cliffs = [sweep_figure.cliff(doc["configs"], h) for h in histories]
     doc["cliff"] = cliffs
     doc["cliff_ratio"] = cliffs[0]["cliff_ratio"]
+    doc["cliff_ratio_is_lower_bound"] = cliffs[0]["cliff_ratio_is_lower_bound"]
     sweep.save()
     print(sweep_figure.table_text(doc["configs"]))
-    c = cliffs[0]
-    print(f"cliff_ratio: {c['cliff_ratio']} (device at half its peak from "
-          f"{c['device_half_users']} users; arena+disk at 80% up to {c['tiered_80_users']})")
+    print(sweep_figure.summary_line(cliffs[0]))
     try:
         sweep_figure.plot(doc, str(out / "sweep.png"))
     except ImportError:

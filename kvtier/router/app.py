@@ -34,7 +34,13 @@ from kvtier.router.history import DeviceHistory
 from kvtier.router.keys import Renderers
 from kvtier.router.lookup import NodeLookups
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.proxy import BackendFailed, error_response, forward, outgoing_headers
+from kvtier.router.proxy import (
+    BACKEND_HEADER,
+    BackendFailed,
+    error_response,
+    forward,
+    outgoing_headers,
+)
 from kvtier.router.request import ENDPOINTS, RoutedRequest
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
 
@@ -208,6 +214,12 @@ class Router:
                 return await self._attempt(req, decision, request, received)
             except BackendFailed as exc:
                 backend = decision.backend
+                if not exc.retry:  # it may still be generating: never send it twice
+                    log.warning("backend %s %s; not retried", backend.name, exc)
+                    self.metrics.timeouts.labels(backend.name).inc()
+                    resp = error_response(504, f"the backend {exc}")
+                    resp.headers[BACKEND_HEADER] = backend.name
+                    return resp
                 self.metrics.retries.labels(backend.name).inc()
                 log.warning("backend %s failed before answering (%s); retrying elsewhere",
                             backend.name, exc)
@@ -237,6 +249,8 @@ class Router:
         self.accounting.record(req, decision, outcome, flight, received)
         if "cut" in outcome.extra:
             self.pool.set_health(backend, False, f"stream cut: {outcome.extra['cut']}")
+        elif "timed_out" in outcome.extra:  # slow, not gone: it stays in
+            self.metrics.timeouts.labels(backend.name).inc()
         return response
 
     def _remember(self, req: RoutedRequest, decision: Decision) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.keys import ChunkKey, chunk_keys
-from kvtier.router.prompts import PromptRenderer
+from kvtier.router.prompts import PromptRenderer, brings_own_template
 
 log = logging.getLogger("kvtier.router")
 
@@ -122,6 +122,8 @@ class RequestKeys:
         ids = self._given_ids()
         if ids is not None:
             return ids
+        if self.endpoint == "chat" and self.body is not None and brings_own_template(self.body):
+            return None  # the client's own Jinja: not even handed to a thread
         if tokenizer not in self._tokens:
             renderer = await self.renderers.get(tokenizer)
             body = self.body

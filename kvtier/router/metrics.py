@@ -33,6 +33,10 @@ class RouterMetrics:
         self.retries = Counter("kvtier_router_retries", "Attempts that failed before any "
                                "byte reached the client and were retried elsewhere",
                                ["backend"], registry=r)
+        self.timeouts = Counter("kvtier_router_timeouts", "Requests whose backend sent "
+                                "nothing for --request-timeout-s after it had them (504, "
+                                "or a stream cut; not retried, the backend stays in)",
+                                ["backend"], registry=r)
         self.refused = Counter("kvtier_router_refused", "Requests refused by the router, by "
                                "reason", ["reason"], registry=r)
         self.up = Gauge("kvtier_router_backend_up", "1 if the backend is in rotation",

@@ -7,8 +7,8 @@ The router must hash exactly the token ids the engine hashes, so this follows vL
   says (default **true**); a list of ids is used as is; of a batch, the first prompt.
 - ``/v1/chat/completions``: messages become a conversation (string content, or text parts
   joined by ``"\\n"`` when the chat template reads ``content`` as a string, kept as
-  ``{"type": "text", ...}`` parts when it loops over it), the chat template (the request's
-  ``chat_template``, else the tokenizer's) is rendered to **text** with
+  ``{"type": "text", ...}`` parts when it loops over it), the tokenizer's chat template is
+  rendered to **text** with
   ``add_generation_prompt`` (default true), ``continue_final_message``, ``documents``,
   ``reasoning_effort`` and ``chat_template_kwargs`` (filtered to what the template reads or
   ``apply_chat_template`` accepts), and the text is encoded with ``add_special_tokens``
@@ -18,12 +18,18 @@ What it does not reproduce, and then says "no tokens" (the request is routed by 
 strategy's fallback): media parts, tools, a server-side ``--chat-template``, harmony and
 Mistral tokenizers, prompt embeddings. The connector does not cache multimodal prompts
 either.
+
+A request's own ``chat_template`` is never rendered: it is Jinja from the client, and
+rendering it (CPU-bound, in a thread that holds the GIL) could stall the router's event loop
+for every request; vLLM 0.32 refuses it anyway unless started with
+``--trust-request-chat-template``. Such a request gets no tokens.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -73,10 +79,11 @@ class PromptRenderer:
         return self._encode(prompt, bool(body.get("add_special_tokens", True)))
 
     def chat_tokens(self, body: dict[str, Any]) -> list[int]:
+        refuse_request_template(body)
         _plain_request(body)
         if body.get("tools"):
             raise Unrenderable("tools are rendered by vLLM's pydantic models")
-        template = self._template(body.get("chat_template"))
+        template = self._template()
         conversation = conversation_of(body.get("messages"), content_format(template))
         if any(m["role"] == "developer" for m in conversation) and not _knows_developer(template):
             conversation = _developer_as_system(conversation)
@@ -90,10 +97,8 @@ class PromptRenderer:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def _template(self, given: object) -> str:
-        if given is not None and not isinstance(given, str):
-            raise Unrenderable("chat_template is not a string")
-        template = self.tokenizer.get_chat_template(given)
+    def _template(self) -> str:
+        template = self.tokenizer.get_chat_template()
         if not isinstance(template, str):
             raise Unrenderable("no chat template")
         return template
@@ -117,6 +122,17 @@ class PromptRenderer:
         accepted = _template_variables(template) | _apply_parameters()
         return {k: v for k, v in merged.items()
                 if k in accepted and k not in ("return_dict", "conversation")}
+
+
+def brings_own_template(body: Mapping[str, Any]) -> bool:
+    """The request supplies a ``chat_template``: never rendered here (see the module's doc)."""
+    return body.get("chat_template") is not None
+
+
+def refuse_request_template(body: Mapping[str, Any]) -> None:
+    if brings_own_template(body):
+        raise Unrenderable("the request brings its own chat_template (not rendered: "
+                           "vLLM refuses it without --trust-request-chat-template)")
 
 
 def conversation_of(messages: object, fmt: str) -> list[dict[str, Any]]:

@@ -8,6 +8,11 @@
   included (a 400 or 500 from vLLM reaches the client as vLLM sent it).
 - A backend failing mid-stream cannot be hidden: the client gets an SSE error event and the
   connection is closed without the stream's end, so it knows the answer is cut.
+- Timeouts are not failures of the backend: aiohttp's ``ServerTimeoutError`` (a
+  ``ClientConnectionError`` too) is caught before the connection errors. A timeout while
+  connecting may be retried elsewhere; a timeout after the request was sent (no answer, or
+  no next byte, within ``sock_read``) is not — the backend may still be generating it — and
+  neither takes the backend out.
 """
 
 from __future__ import annotations
@@ -31,12 +36,20 @@ BACKEND_HEADER = "X-Kvtier-Backend"
 
 
 class BackendFailed(Exception):
-    """The attempt failed before any byte reached the client: it may be retried."""
+    """The attempt failed before any byte reached the client."""
 
-    def __init__(self, message: str, *, down: bool) -> None:
+    def __init__(self, message: str, *, down: bool, retry: bool = True) -> None:
         super().__init__(message)
         self.down = down
         """True when the backend itself looks gone (refused, reset): take it out."""
+        self.retry = retry
+        """False when the backend may still be working on the request (it timed out after
+        the request was sent): sending it elsewhere would generate it twice."""
+
+
+def _timed_out(exc: BaseException, when: str) -> BackendFailed:
+    """A timeout after the request was sent: not retried, the backend stays in."""
+    return BackendFailed(f"timed out {when}: {type(exc).__name__}", down=False, retry=False)
 
 
 @dataclass
@@ -78,10 +91,12 @@ async def forward(session: aiohttp.ClientSession, url: str, backend_name: str, r
     try:
         resp = await session.post(url, data=raw, headers=headers, timeout=timeout,
                                   skip_auto_headers=("Accept-Encoding", "Content-Type"))
+    except aiohttp.ConnectionTimeoutError as exc:  # nothing was sent: another may serve it
+        raise BackendFailed(f"timed out connecting: {exc}", down=False) from exc
+    except TimeoutError as exc:  # ServerTimeoutError (sock_read) or asyncio's: sent, silent
+        raise _timed_out(exc, "before answering") from exc
     except (aiohttp.ClientConnectionError, OSError) as exc:
         raise BackendFailed(f"{type(exc).__name__}: {exc}", down=True) from exc
-    except TimeoutError as exc:
-        raise BackendFailed("timed out before answering", down=False) from exc
     async with resp:
         if resp.content_type == "text/event-stream":
             return await _stream(resp, backend_name, client, on_first_byte)
@@ -92,10 +107,10 @@ async def _whole(resp: aiohttp.ClientResponse, backend_name: str,
                  on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
     try:
         body = await resp.read()
+    except TimeoutError as exc:
+        raise _timed_out(exc, "while answering") from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise BackendFailed(f"answer cut: {type(exc).__name__}: {exc}", down=True) from exc
-    except TimeoutError as exc:
-        raise BackendFailed("timed out while answering", down=False) from exc
     now = time.monotonic()
     on_first_byte(now)
     outcome = Outcome(resp.status, False, now, now, 1)
@@ -114,10 +129,10 @@ async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.R
                   on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
     try:
         first = await resp.content.readany()
+    except TimeoutError as exc:
+        raise _timed_out(exc, "before its first byte") from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise BackendFailed(f"stream cut before its first byte: {exc}", down=True) from exc
-    except TimeoutError as exc:
-        raise BackendFailed("timed out before its first byte", down=False) from exc
     if not first:
         raise BackendFailed("stream ended before its first byte", down=True)
     outcome = Outcome(resp.status, True, time.monotonic())
@@ -138,7 +153,11 @@ async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.R
             outcome.doc = _event_with_params(chunk) or outcome.doc
         try:
             chunk = await resp.content.readany()
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except TimeoutError as exc:  # slow, not gone: the backend stays in
+            outcome.extra["timed_out"] = type(exc).__name__
+            await _cut(out, client, "the backend sent nothing for the request timeout", 504)
+            return out, outcome
+        except (aiohttp.ClientError, OSError) as exc:
             outcome.extra["cut"] = f"{type(exc).__name__}: {exc}"
             await _cut(out, client)
             return out, outcome
@@ -147,9 +166,9 @@ async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.R
     return out, outcome
 
 
-async def _cut(out: web.StreamResponse, client: web.Request) -> None:
-    event = {"error": {"message": "the backend failed mid-stream", "type": "BackendError",
-                       "code": 502}}
+async def _cut(out: web.StreamResponse, client: web.Request,
+               message: str = "the backend failed mid-stream", code: int = 502) -> None:
+    event = {"error": {"message": message, "type": "BackendError", "code": code}}
     with contextlib.suppress(ConnectionError, RuntimeError):
         await out.write(f"data: {json.dumps(event)}\n\n".encode())
     if client.transport is not None:

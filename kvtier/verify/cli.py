@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.router.config import read_key
 from kvtier.verify.run import VerifyOptions, api_key_from_env, verify
 
 
@@ -28,7 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-path", metavar="DIR", help="an fs shared tier's folder: count "
                    "its chunk files")
     p.add_argument("--model", help="model name (default: the first the entry point lists)")
-    p.add_argument("--api-key", help="bearer key (default: $OPENAI_API_KEY or $VLLM_API_KEY)")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the "
+                      "bearer key (default: $OPENAI_API_KEY, else $VLLM_API_KEY)")
+    keys.add_argument("--api-key-file", metavar="FILE", help="... or the key in FILE")
+    keys.add_argument("--api-key", help=argparse.SUPPRESS)  # deprecated: visible in ps
     p.add_argument("--api", choices=("completions", "chat"), default="completions")
     p.add_argument("--prefix-chars", type=int, default=12000,
                    help="length of the long prefix in characters (default: %(default)s)")
@@ -37,9 +42,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """From --api-key-file or --api-key-env, else $OPENAI_API_KEY / $VLLM_API_KEY; a key on
+    the command line still works, with a warning (any user can read it in ps)."""
+    if args.api_key:
+        print("kvtier verify: --api-key is deprecated (other users can read it with ps); "
+              "use --api-key-env VAR or --api-key-file FILE", file=sys.stderr)
+        return str(args.api_key)
+    return read_key(args.api_key_env, args.api_key_file, "--api-key") or api_key_from_env()
+
+
 def run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
-        "api_key": args.api_key or api_key_from_env(), "api": args.api,
+        "api_key": _api_key(args), "api": args.api,
         "prefix_chars": args.prefix_chars, "attempts": args.attempts, "model": args.model}
     if args.url:
         overrides["url"] = args.url.rstrip("/")

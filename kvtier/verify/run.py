@@ -8,8 +8,11 @@ vllm-router, or one instance):
 3. **shared tier** — chunks of it appear in the shared tier (node servers' ``/v1/stats``,
    or the files under ``--shared-path``);
 4. **similar request** — the same prefix with a new suffix is served from cache, faster;
-5. **another instance** — an instance other than the one that computed the prefix serves
-   it from the shared tier (the requests of step 4 and after, until one lands elsewhere).
+5. **another instance** — an instance known to differ from the one that computed the prefix
+   serves it from the shared tier (the request of step 4 if it went elsewhere, else up to
+   ``attempts`` more until one does). When who served step 2 is not known, the instance
+   must differ from the one that served step 4, and step 4's own request does not count;
+   when neither is known, the step fails (nothing shows a second instance).
 
 Each step prints what it saw; the exit status is 0 only if all five passed, and a failed
 step is named. Where a prompt's KV came from is read from the response
@@ -41,7 +44,8 @@ class VerifyOptions:
     """The instances' own URLs, in the order of ``kvtier_servers`` (tells who served)."""
     shared_path: Path | None = None
     model: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """Never shown (not in the repr, never printed)."""
     api: str = "completions"
     prefix_chars: int = 12000
     max_tokens: int = 4
@@ -288,26 +292,33 @@ class Verification:
         return sent
 
     def another_instance(self, first: Sent, second: Sent | None) -> bool:
+        """Step 5: a request served by an instance known to differ from the one that computed
+        the prefix (step 2's), or — when that one is not known — from the one that served
+        step 4, with prompt tokens from the shared tier. Step 4's own request counts only
+        when it is known to have gone elsewhere than step 2's."""
         home = first.instance
-        tried = [second] if second is not None else []
+        ref = home if home is not None else (second.instance if second is not None else None)
+        if ref is None:
+            return self.report(5, False, "cannot tell which instance served steps 2 and 4, so "
+                               "not whether another one serves now (give --backends or "
+                               "--kvtier-servers, or --stack)")
+        tried = [second] if second is not None and home is not None else []
         for k in range(self.o.attempts):
-            landed = [s for s in tried if s.instance is not None and s.instance != home]
-            if landed or (home is None and any(self.shared_tokens(s) for s in tried)):
+            if any(s.instance is not None and s.instance != ref for s in tried):
                 break
             try:
                 tried.append(self.send(f"Question {3 + k}: once more?", user=f"verify-{k}"))
             except HttpError as exc:
                 return self.report(5, False, str(exc))
-        elsewhere = [s for s in tried if home is None or (s.instance not in (None, home))]
+        elsewhere = [s for s in tried if s.instance is not None and s.instance != ref]
+        what = "which computed it" if home is not None else "which served step 4"
         if not elsewhere:
             return self.report(5, False, f"all {len(tried)} similar request(s) went to "
-                               f"instance {home}, which computed the prefix")
+                               f"instance {ref} ({what}) or to an instance not known")
         sent = max(elsewhere, key=self.shared_tokens)
         n = self.shared_tokens(sent)
-        who = f"instance {sent.instance}" if sent.instance is not None else "an instance"
-        not_home = f" (not instance {home}, which computed it)" if home is not None else ""
-        return self.report(5, n > 0, f"{who}{not_home} served {n} prompt tokens from the "
-                           f"shared tier; {sent.where()}")
+        return self.report(5, n > 0, f"instance {sent.instance} (not instance {ref}, {what}) "
+                           f"served {n} prompt tokens from the shared tier; {sent.where()}")
 
     def _verdict(self) -> int:
         if self.failed:

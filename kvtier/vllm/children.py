@@ -19,6 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.groups import group_members
+
+__all__ = ["Child", "die_with_parent", "group_members", "stop_all"]
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -93,19 +97,3 @@ def stop_all(children: Sequence[Child], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     for child in children:
         child.wait_stopped(deadline)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Processes still in process group ``pgid`` (for checks that nothing was left)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry))
-    return out

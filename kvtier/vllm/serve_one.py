@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from kvtier import logs
+from kvtier.groups import stop_group
 from kvtier.httpjson import wait_models
 from kvtier.vllm.children import die_with_parent
 from kvtier.vllm.summary import say, tiers_line
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from kvtier.vllm.serve import ServePlan
 
 READY_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 45.0
+"""Under what those who stop ``kvtier serve`` wait before they SIGKILL its own group (60 s in
+a sweep, 90 s in a stack): vLLM's group is not theirs, so it must be gone by then."""
 
 
 def serve_one(plan: ServePlan, demo: bool) -> int:
@@ -56,7 +60,9 @@ def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
     from kvtier.vllm.demo_request import DEV_MODE_ENV, demonstrate
 
     env = {**os.environ, **(DEV_MODE_ENV if demo else {})}
+    # a session of its own: stopping it stops its group (the EngineCore with the API server)
     child = subprocess.Popen(plan.cmd, env=env, preexec_fn=die_with_parent,
+                             start_new_session=True,
                              stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
     stopping = _forward_signals(child)
     where = f"; its log: {plan.log_file}" if plan.log_file else ""
@@ -79,7 +85,8 @@ def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
         finally:
             _stop(child)
     say("  Ctrl-C stops it.")
-    rc = child.wait()
+    child.wait()
+    rc = _stop(child)  # what it left behind in its group
     rc = rc if rc >= 0 else 128 - rc
     say(f"kvtier serve: vLLM exited (status {rc})")
     return rc
@@ -111,14 +118,9 @@ def _forward_signals(child: subprocess.Popen[bytes]) -> list[int]:
 
 
 def _stop(child: subprocess.Popen[bytes]) -> int:
-    if child.poll() is None:
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-    return child.returncode
+    """SIGTERM vLLM's API server (it stops its EngineCore), then its group: what is left
+    of it, also when the API server has exited; SIGKILL after STOP_TIMEOUT_S."""
+    return stop_group(child, STOP_TIMEOUT_S, leader_first=True)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -34,6 +34,7 @@ import yaml
 
 from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
+from kvtier.ports import check_plan
 from kvtier.vllm.children import Child, stop_all
 from kvtier.vllm.front import router_argv
 from kvtier.vllm.stack_options import StackOptions, cores
@@ -125,6 +126,7 @@ class Stack:
 
     def _start(self) -> bool:
         o = self.o
+        self._check_ports()
         o.run_dir.mkdir(parents=True, exist_ok=True)
         self.shared = self._shared_tier()
         for i in range(o.instances):
@@ -140,6 +142,14 @@ class Stack:
         if not self._wait_instances():
             return False
         return self._start_router()
+
+    def _check_ports(self) -> None:
+        """Every port free before anything starts (a ConfigError naming the first taken)."""
+        o = self.o
+        if o.router != "none":
+            host = "0.0.0.0" if o.host in ("", "::") else o.host
+            check_plan({f"the {o.router} router": o.port}, host)
+        check_plan(o.instance_ports())
 
     def _shared_tier(self) -> dict[str, Any] | None:
         if self.o.shared_local is None:

@@ -1,7 +1,9 @@
 """``kvtier serve --instances N``'s options, parsed once into :class:`StackOptions`.
 
 Ports follow ``--port P`` (default 8000): the router on P, instance i on P+1+i, instance i's
-node server (HTTP API, /metrics) on P+101+i.
+node server (HTTP API, /metrics) on P+101+i. So N is at most 100 (instance 100 would take
+node server 0's port) and P+100+N at most 65535; :meth:`StackOptions.instance_ports` names them
+for the check that they are free before anything starts.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import Any
 
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError
+from kvtier.ports import MAX_PORT
 from kvtier.vllm.front import DEFAULT_POLICY, ROUTERS, check_router
 from kvtier.vllm.shared_spec import shared_tier
 from kvtier.vllm.sizing import flag_value
 
 LOCAL_SERVICES = ("s3", "redis")
+MAX_INSTANCES = 100
 _ONE_INSTANCE = {"server_config": "--server-config", "server_socket": "--server-socket",
                  "socket_path": "--socket-path", "kvtier_metrics_port": "--kvtier-metrics-port",
                  "log_file": "--log-file", "demo_request": "--demo-request"}
@@ -73,6 +77,9 @@ class StackOptions:
         n = int(args.instances)
         if n < 1:
             raise ConfigError("--instances must be at least 1")
+        if n > MAX_INSTANCES:
+            raise ConfigError(f"--instances: at most {MAX_INSTANCES}, got {n} (instance i "
+                              "listens on --port + 1 + i, its node server on --port + 101 + i)")
         for attr, flag in _ONE_INSTANCE.items():
             if getattr(args, attr, None):
                 raise ConfigError(f"{flag} is for one instance; with --instances each "
@@ -94,6 +101,11 @@ class StackOptions:
             chunk_tokens=args.chunk_tokens, priority=args.priority,
             run_dir=Path(args.run_dir).expanduser() if args.run_dir else _default_run_dir(),
             verify=bool(args.verify))
+        top = options.node_port(n - 1)
+        if top > MAX_PORT:
+            raise ConfigError(f"--port {port}: instance {n - 1}'s node server would listen on "
+                              f"{top}, above {MAX_PORT}; choose a --port of at most "
+                              f"{MAX_PORT - 100 - n}")
         if options.shared_local is None:
             options.shared_tier()  # a bad --shared fails before anything starts
         else:
@@ -110,6 +122,15 @@ class StackOptions:
 
     def node_port(self, i: int) -> int:
         return self.port + 101 + i
+
+    def instance_ports(self) -> dict[str, int]:
+        """The ports the instances and their node servers listen on (127.0.0.1), by what
+        listens there."""
+        out = {}
+        for i in range(self.instances):
+            out[f"instance {i}"] = self.instance_port(i)
+            out[f"instance {i}'s node server"] = self.node_port(i)
+        return out
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:

@@ -74,3 +74,19 @@ def test_unusable_files_are_errors(tmp_path: Path) -> None:
     assert main(["bench", "compare", str(tmp_path / "bad.json"), str(tmp_path / "x")]) == 2
     empty = results(tmp_path, "e", {"name": "no numbers"}, wrapped=False)
     assert main(["bench", "compare", empty, empty]) == 2
+
+
+def test_nan_and_infinity_in_a_results_file_are_missing(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    base = tmp_path / "b.json"
+    base.write_text('{"metrics": {"p99_ttft": 0.8, "total_tok_s": 500}}')
+    cand = tmp_path / "c.json"
+    cand.write_text('{"metrics": {"p99_ttft": NaN, "total_tok_s": Infinity, "errors": 0}}')
+    assert load_metrics(str(cand)) == {"p99_ttft": None, "total_tok_s": None, "errors": 0.0}
+    # NaN would pass this rule (every comparison with NaN is false): refused instead
+    assert main(["bench", "compare", str(base), str(cand),
+                 "--rule", "not (p99_ttft > 1.1 * baseline)"]) == 2
+    assert "has no value in the candidate" in capsys.readouterr().err
+    assert main(["bench", "compare", str(base), str(cand),
+                 "--rule", "total_tok_s >= baseline"]) == 2

@@ -85,3 +85,10 @@ def test_malicious_or_broken_rules_are_refused(rule: str, why: str) -> None:
 def test_errors_name_the_column() -> None:
     with pytest.raises(RuleError, match="column 10"):
         tokenize("p99_ttft $ 1")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_metric_is_refused_not_judged(bad: float) -> None:
+    rule = parse_rule("not (p99_ttft > 1.1 * baseline)", KNOWN)
+    with pytest.raises(RuleError, match="has no value in the candidate"):
+        rule.evaluate(BASE, {**CAND, "p99_ttft": bad})

@@ -25,7 +25,7 @@ from kvtier.bench.stacks import (
     launch,
     register_stack,
 )
-from kvtier.bench.sweep_figure import cliff, falls_to_half, still_holds
+from kvtier.bench.sweep_figure import Held, cliff, falls_to_half, still_holds, summary_line
 from kvtier.cli import main
 
 pytest.importorskip("httpx")
@@ -65,17 +65,52 @@ def test_device_falls_to_half_after_its_peak() -> None:
 
 
 def test_tiered_holds_80_percent_of_its_peak() -> None:
-    assert still_holds(pts((2, 900), (4, 1000), (8, 950), (16, 810), (32, 790))) == 16
+    assert still_holds(pts((2, 900), (4, 1000), (8, 950), (16, 810), (32, 790))) == \
+        Held(16, lower_bound=False)
+
+
+def test_a_dip_under_80_percent_ends_the_hold_whatever_comes_after() -> None:
+    # 100 -> 50 -> 85: it held up to 2 users, not 4
+    assert still_holds(pts((2, 100), (4, 50), (8, 85))) == Held(2, lower_bound=False)
+    assert still_holds(pts((1, 60), (2, 100), (4, 79), (8, 95))) == Held(2, lower_bound=False)
+
+
+def test_a_hold_the_range_never_ended_is_a_lower_bound() -> None:
+    assert still_holds(pts((2, 900), (4, 1000), (8, 950), (16, 810))) == \
+        Held(16, lower_bound=True)
+    assert still_holds(pts((2, 500), (4, 1000))) == Held(4, lower_bound=True)
+    # points before the peak do not end it: only what comes after the peak
+    assert still_holds(pts((2, 100), (4, 1000), (8, 900))) == Held(8, lower_bound=True)
+    assert still_holds([]) is None
+
+
+def test_device_half_is_the_first_point_after_the_peak_at_or_below_half() -> None:
+    assert falls_to_half(pts((2, 1000), (4, 500), (8, 900), (16, 100))) == 4
+    assert falls_to_half(pts((2, 1000), (4, 501))) is None
+    assert falls_to_half([]) is None
 
 
 def test_cliff_ratio() -> None:
     configs = {"device": {"points": pts((2, 1000), (4, 800), (8, 450), (16, 200))},
-               "arena+disk": {"points": pts((2, 1000), (4, 1100), (8, 1050), (16, 900))}}
+               "arena+disk": {"points": pts((2, 1000), (4, 1100), (8, 1050), (16, 900),
+                                            (32, 700))}}
     c = cliff(configs, 100)
     assert c["device_half_users"] == 8 and c["tiered_80_users"] == 16
     assert c["cliff_ratio"] == 2.0
+    assert not c["tiered_80_users_is_lower_bound"] and not c["cliff_ratio_is_lower_bound"]
+    assert summary_line(c).startswith("cliff_ratio: 2 (") and "≥" not in summary_line(c)
     configs["device"]["points"] = pts((2, 1000), (4, 900))
     assert cliff(configs, 100)["cliff_ratio"] is None  # never fell to half: undefined
+
+
+def test_a_cliff_ratio_whose_hold_was_not_reached_says_at_least() -> None:
+    configs = {"device": {"points": pts((2, 1000), (4, 800), (8, 450), (16, 200))},
+               "arena+disk": {"points": pts((2, 1000), (4, 1100), (8, 1050), (16, 900))}}
+    c = cliff(configs, 100)
+    assert c["tiered_80_users"] == 16 and c["tiered_80_users_is_lower_bound"]
+    assert c["cliff_ratio"] == 2.0 and c["cliff_ratio_is_lower_bound"]
+    line = summary_line(c)
+    assert line.startswith("cliff_ratio: ≥2 (") and "up to ≥16" in line, line
 
 
 def sweep(tmp_path: Path, *extra: str) -> int:

@@ -55,14 +55,40 @@ def test_chat_renders_the_template_to_text_then_encodes_without_specials(
         tok(text, add_special_tokens=True)["input_ids"]
 
 
-def test_a_template_that_loops_over_content_gets_the_parts(renderer: PromptRenderer) -> None:
+def test_a_template_that_loops_over_content_gets_the_parts(
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
     assert content_format(LOOPING) == "openai"
     assert content_format(renderer.tokenizer.get_chat_template()) == "string"
+    monkeypatch.setattr(renderer.tokenizer, "chat_template", LOOPING)  # the model's own
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
-                                                      {"type": "text", "text": "y"}]}],
-            "chat_template": LOOPING}
+                                                      {"type": "text", "text": "y"}]}]}
     want = renderer.tokenizer("<user>[x][y]<a>", add_special_tokens=False)["input_ids"]
     assert renderer.tokens("chat", body) == want
+
+
+def test_a_request_supplied_chat_template_is_never_rendered(
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+    real = renderer.tokenizer.apply_chat_template
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        calls.append(kw.get("chat_template"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(renderer.tokenizer, "apply_chat_template", spy)
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": LOOPING}
+    assert renderer.tokens("chat", body) is None
+    assert calls == [], "the client's Jinja was not rendered"
+    assert renderer.tokens("chat", {"messages": body["messages"]}) is not None
+    assert len(calls) == 1 and calls[0] != LOOPING
+
+    # the router does not even hand it to a thread (nor load a tokenizer for it)
+    class Refuse(Renderers):
+        async def get(self, tokenizer: str) -> PromptRenderer | None:
+            raise AssertionError("no renderer for a request-supplied template")
+
+    got = asyncio.run(RequestKeys("chat", body, Refuse()).tokens("/nonexistent"))
+    assert got is None
 
 
 def test_what_it_cannot_reproduce_gives_no_tokens(renderer: PromptRenderer) -> None:

@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvtier.verify.observe import Snapshot, chunk_files, counters, hits_by_tier, served_by
-from kvtier.verify.run import VerifyOptions
+from kvtier.verify.run import Sent, Verification, VerifyOptions
 
 METRICS = """# HELP kvtier_hits_total Chunks leased
 kvtier_hits_total{tier="arena"} 3.0
@@ -78,3 +80,128 @@ def test_a_dead_entry_point_fails_step_1() -> None:
     missing = subprocess.run([sys.executable, "-m", "kvtier", "verify"], capture_output=True,
                              text=True, timeout=60)
     assert missing.returncode == 2 and "give --url or --stack" in missing.stderr
+
+
+SECRET = "sk-verify-never-shown-4711"
+
+
+class _KeyCheckingEntry:
+    """A real HTTP entry point on 127.0.0.1 that records the Authorization it gets, lists a
+    model, and answers completions with a 400 (so verify stops at step 2)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.seen: list[str] = []
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: bytes) -> None:
+                seen.append(self.headers.get("Authorization", ""))
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._answer(200, b'{"data": [{"id": "m"}]}')
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._answer(400, b'{"error": {"message": "no"}}')
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_api_key_is_never_in_the_repr() -> None:
+    o = VerifyOptions(url="http://x:1", api_key=SECRET)
+    assert SECRET not in repr(o) and SECRET not in str(o)
+
+
+def test_the_api_key_comes_from_the_environment_or_a_file_and_is_never_printed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    from kvtier.cli import main
+
+    entry = _KeyCheckingEntry()
+    try:
+        monkeypatch.setenv("KVTIER_VERIFY_TEST_KEY", SECRET)
+        assert main(["verify", "--url", entry.url, "--api-key-env",
+                     "KVTIER_VERIFY_TEST_KEY"]) == 1  # step 2 fails on the 400
+        key_file = tmp_path / "key"
+        key_file.write_text(SECRET + "\n")
+        assert main(["verify", "--url", entry.url, "--api-key-file", str(key_file)]) == 1
+        out = capsys.readouterr()
+        assert "[1/5] entry point      ok" in out.out
+        assert SECRET not in out.out + out.err
+        assert entry.seen and set(entry.seen) == {f"Bearer {SECRET}"}
+        assert main(["verify", "--url", entry.url, "--api-key-env", "KVTIER_UNSET_VAR"]) == 2
+        assert "KVTIER_UNSET_VAR is not set" in capsys.readouterr().err
+        # the old flag still works, with a warning; the key is not echoed
+        entry.seen.clear()
+        assert main(["verify", "--url", entry.url, "--api-key", SECRET]) == 1
+        out = capsys.readouterr()
+        assert "--api-key is deprecated" in out.err and SECRET not in out.out + out.err
+        assert set(entry.seen) == {f"Bearer {SECRET}"}
+    finally:
+        entry.close()
+
+
+class _Scripted(Verification):
+    """Step 5's logic on scripted answers: ``send`` returns the next prepared request (the
+    HTTP path is covered by the tests above and the vLLM end-to-end test)."""
+
+    def __init__(self, answers: list[Sent]) -> None:
+        self.lines: list[str] = []
+        super().__init__(VerifyOptions(url="http://x:1", attempts=3), say=self.lines.append)
+        self.shared = {"shared"}
+        self.answers = answers
+
+    def send(self, suffix: str, user: str | None = None) -> Sent:
+        return self.answers.pop(0)
+
+
+def _sent(instance: int | None, shared_chunks: int = 0) -> Sent:
+    return Sent(0.1, {}, instance, {"shared": shared_chunks} if shared_chunks else {})
+
+
+def _step5(first: Sent, second: Sent | None, later: list[Sent]) -> tuple[bool, str]:
+    v = _Scripted(later)
+    ok = v.another_instance(first, second)
+    return ok, v.lines[-1]
+
+
+def test_step_5_without_a_known_home_does_not_count_step_4s_own_request() -> None:
+    # step 2's instance unknown; step 4 on instance 0 got shared hits; the rest stay on 0
+    ok, line = _step5(_sent(None), _sent(0, shared_chunks=5), [_sent(0), _sent(0), _sent(0)])
+    assert not ok and "went to instance 0 (which served step 4)" in line, line
+
+
+def test_step_5_without_a_known_home_needs_another_instance_than_step_4s() -> None:
+    ok, line = _step5(_sent(None), _sent(0, shared_chunks=5), [_sent(0), _sent(1, 3)])
+    assert ok and "instance 1 (not instance 0, which served step 4)" in line, line
+
+
+def test_step_5_fails_when_no_instance_is_known() -> None:
+    ok, line = _step5(_sent(None), _sent(None, shared_chunks=5), [_sent(None, 5)] * 3)
+    assert not ok and "cannot tell which instance" in line, line
+
+
+def test_step_5_counts_step_4_when_it_went_elsewhere_than_the_home() -> None:
+    ok, line = _step5(_sent(0), _sent(1, shared_chunks=2), [])
+    assert ok and "instance 1 (not instance 0, which computed it)" in line, line
+    ok, line = _step5(_sent(0), _sent(0, shared_chunks=2), [_sent(0), _sent(None, 4),
+                                                            _sent(0)])
+    assert not ok and "went to instance 0 (which computed it)" in line, line
