@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +58,20 @@ def baseline(demo_model: str) -> Iterator[dict[str, list[list[int]]]]:
     finally:
         e2e.close_llm(llm)
     yield yield_value
+
+
+@pytest.fixture
+def engines(make_server: Any) -> Iterator[Any]:
+    """``engines(server, **kw)``: a scheduler+worker pair without vLLM, closed at the end."""
+    from rig import FakeEngine
+
+    made: list[Any] = []
+
+    def make(server: Any, **kw: Any) -> Any:
+        engine = FakeEngine(server.socket_path, **kw)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()

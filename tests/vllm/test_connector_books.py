@@ -3,11 +3,9 @@ and which blocks an unplanned load fails. Real server, no engine (see rig.py).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from rig import BLOCK, CHUNK, FakeEngine
 from store_helpers import disk_files, sample, store_of, wait_until
 
@@ -16,20 +14,6 @@ from kvtier.server import NodeServer
 from kvtier.vllm.tracking import RequestInfo
 
 PROMPT = list(range(100, 200))  # 100 tokens: 3 full chunks of 32, 7 blocks of 16
-
-
-@pytest.fixture
-def engines(make_server: Any) -> Iterator[Any]:
-    made: list[FakeEngine] = []
-
-    def make(server: NodeServer, **kw: Any) -> FakeEngine:
-        engine = FakeEngine(server.socket_path, **kw)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.close()
 
 
 def stored_prompt(engine: FakeEngine, tokens: list[int] = PROMPT) -> dict[str, Any]:

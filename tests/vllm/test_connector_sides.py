@@ -8,11 +8,9 @@ a request is aborted while its load waits; two ranks must both confirm a store.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from rig import BLOCK, CHUNK, FakeEngine
 from store_helpers import disk_files, wait_until
 
@@ -21,20 +19,6 @@ from kvtier.keys import chunk_keys
 from kvtier.server import EmbeddedServer, NodeServer
 
 PROMPT = list(range(100, 200))  # 100 tokens: 3 full chunks of 32, 7 blocks of 16
-
-
-@pytest.fixture
-def engines(make_server: Any) -> Iterator[Any]:
-    made: list[FakeEngine] = []
-
-    def make(server: NodeServer, **kw: Any) -> FakeEngine:
-        engine = FakeEngine(server.socket_path, **kw)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.close()
 
 
 def stored_prompt(engine: FakeEngine, tokens: list[int] = PROMPT, *,
