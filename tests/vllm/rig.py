@@ -245,3 +245,19 @@ class FakeEngine:
         for worker in self.workers:
             worker.shutdown()
         self.sched.link.close()
+
+
+def empty_step() -> Any:
+    """A scheduler step that schedules nothing."""
+    from kvtier.vllm.scheduler import StepView
+
+    return StepView()
+
+
+def step_for(engine: FakeEngine, req_id: str) -> Any:
+    """A step that prefills the whole prompt of ``req_id`` (a new request)."""
+    from kvtier.vllm.scheduler import ScheduledReq, StepView
+
+    req = engine.reqs[req_id]
+    return StepView([ScheduledReq(req_id, 0, len(req.info.tokens), True)],
+                    lambda r: engine.reqs[r].blocks)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rig import BLOCK, CHUNK, FakeEngine
+from rig import BLOCK, CHUNK, FakeEngine, empty_step, step_for
 from store_helpers import disk_files, sample, store_of, wait_until
 
 from kvtier.keys import chunk_keys
@@ -63,7 +63,7 @@ def test_a_load_the_worker_failed_is_stored_again(make_server: Any, engines: Any
     stored_prompt(engine)
     engine.sched.take_counters()
     req = engine.add(PROMPT)
-    plan = engine.sched.build_plan(_empty_step())
+    plan = engine.sched.build_plan(empty_step())
     for job in plan.loads:
         job.arena = "gone"  # the worker cannot serve it: every block fails, vLLM recomputes
     engine.run_workers(plan)
@@ -123,7 +123,7 @@ def test_a_requests_stored_chunks_are_those_handed_to_the_workers(make_server: A
     server = make_server(slots=16)
     engine = engines(server)
     req = engine.add(PROMPT)
-    plan = engine.sched.build_plan(_step_for(engine, req))
+    plan = engine.sched.build_plan(step_for(engine, req))
     for job in plan.stores:
         job.arena = "not-this-one"  # every copy fails: the chunks are aborted
     engine.run_workers(plan)
@@ -143,24 +143,8 @@ def test_an_unplanned_load_fails_only_blocks_beyond_the_device_hit(make_server: 
     assert engine.sched.num_new_matched_tokens("odd", 3 * BLOCK) == 48
     blocks = [11, 12, 13, 14, 15, 16, 17]
     engine.sched.after_alloc("odd", blocks, 32)  # not the 48 planned
-    (job,) = engine.sched.build_plan(_empty_step()).loads
+    (job,) = engine.sched.build_plan(empty_step()).loads
     # blocks 0-2 are vLLM's own (maybe shared with running requests): never failed
     assert job.block_ids == [] and job.failed_block_ids == [14, 15]
     acct = engine.sched.request_finished("odd")
     assert acct is not None and acct["kvtier"]["tokens"]["device"] == 48  # type: ignore[index]
-
-
-# ---------------------------------------------------------------------- helpers
-
-def _empty_step() -> Any:
-    from kvtier.vllm.scheduler import StepView
-
-    return StepView()
-
-
-def _step_for(engine: FakeEngine, req_id: str) -> Any:
-    from kvtier.vllm.scheduler import ScheduledReq, StepView
-
-    req = engine.reqs[req_id]
-    return StepView([ScheduledReq(req_id, 0, len(req.info.tokens), True)],
-                    lambda r: engine.reqs[r].blocks)

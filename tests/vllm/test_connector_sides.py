@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rig import BLOCK, CHUNK, FakeEngine
+from rig import BLOCK, CHUNK, FakeEngine, empty_step, step_for
 from store_helpers import disk_files, wait_until
 
 from kvtier.config import ServerConfig
@@ -128,7 +128,7 @@ def test_server_gone_between_lookup_and_lease(make_server: Any, engines: Any) ->
     assert engine.sched.num_new_matched_tokens(req_id, 0) == 96
     server.stop(drain_s=1)
     engine.sched.after_alloc(req_id, list(range(1, 8)), 96)
-    plan = engine.sched.build_plan(_empty_step())
+    plan = engine.sched.build_plan(empty_step())
     (job,) = plan.loads
     assert job.block_ids == [] and job.failed_block_ids == list(range(1, 7))
     assert engine.sched.link.failures >= 1
@@ -188,7 +188,7 @@ def test_store_commits_only_when_every_rank_confirmed(tmp_path: Path, engines: A
     with EmbeddedServer(config) as server:
         engine = engines(server, tp=2)
         req = engine.add(PROMPT)
-        plan = engine.sched.build_plan(_step_for(engine, req))
+        plan = engine.sched.build_plan(step_for(engine, req))
         assert len(plan.stores) == 3
         engine.compute(engine.reqs[req], 0, len(PROMPT))
         rank0, rank1 = engine.workers
@@ -209,7 +209,7 @@ def test_worker_with_another_arena_fails_the_store(make_server: Any, engines: An
     server = make_server(slots=16)
     engine = engines(server)
     req = engine.add(PROMPT)
-    plan = engine.sched.build_plan(_step_for(engine, req))
+    plan = engine.sched.build_plan(step_for(engine, req))
     for job in plan.stores:
         job.arena = "not-this-one"
     engine.run_workers(plan)
@@ -217,26 +217,12 @@ def test_worker_with_another_arena_fails_the_store(make_server: Any, engines: An
     assert server.store is not None and server.store.stats()["entries"] == 0
 
 
-# ---------------------------------------------------------------------- helpers
-
 def _info(req_id: str, tokens: list[int]) -> Any:
     from kvtier.vllm.tracking import RequestInfo
 
     return RequestInfo(req_id, tuple(tokens), ())
 
 
-def _empty_step() -> Any:
-    from kvtier.vllm.scheduler import StepView
-
-    return StepView()
-
-
-def _step_for(engine: FakeEngine, req_id: str) -> Any:
-    from kvtier.vllm.scheduler import ScheduledReq, StepView
-
-    req = engine.reqs[req_id]
-    return StepView([ScheduledReq(req_id, 0, len(req.info.tokens), True)],
-                    lambda r: engine.reqs[r].blocks)
 
 
 def test_worker_shakes_hands_again_after_a_server_restart(make_server: Any,
@@ -259,7 +245,7 @@ def test_a_failed_load_is_not_offered_again(make_server: Any, engines: Any) -> N
     engine = engines(make_server(slots=16))
     stored_prompt(engine)
     req = engine.add(PROMPT)
-    plan = engine.sched.build_plan(_empty_step())
+    plan = engine.sched.build_plan(empty_step())
     for job in plan.loads:
         job.arena = "gone"  # the worker cannot serve it: every block fails
     engine.run_workers(plan)
@@ -274,7 +260,7 @@ def test_an_unplanned_load_fails_every_block(make_server: Any, engines: Any) -> 
     engine = engines(make_server(slots=16))
     engine.sched.track(_info("odd", PROMPT))
     engine.sched.after_alloc("odd", [5, 6, 7], 48)  # no lookup answered this
-    (job,) = engine.sched.build_plan(_empty_step()).loads
+    (job,) = engine.sched.build_plan(empty_step()).loads
     assert job.block_ids == [] and job.failed_block_ids == [5, 6, 7]
 
 
