@@ -242,10 +242,9 @@ class TieredStore:
             if self.promotions.joinable(entry):
                 return entry.reading
             return None  # being written by a client, or a read that hangs
-        slot = self.index.arena.slot_bytes
         for state in self.tiers:  # a chunk over a slot was written by a server with bigger ones
             size = state.sizes.get(key)
-            if size is not None and size <= slot and state.available:
+            if size is not None and size <= state.fits_slot and state.available:
                 return state.name
         return None
 

@@ -58,6 +58,9 @@ class LowerTierState:
         self.configured = config.capacity_bytes
         self.capacity = config.capacity_bytes
         self.chunk_bytes_hint = chunk_bytes_hint
+        self.fits_slot = self.tier.footprint(chunk_bytes_hint)
+        """The largest size in the books of a chunk an arena slot (``chunk_bytes_hint``) can
+        take; a larger one was written by a server with bigger slots."""
         self.write_back = config.write_policy == "back"
         entries = max(1, self.capacity // max(1, chunk_bytes_hint))
         self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, entries)

@@ -101,6 +101,12 @@ class LowerTier(ABC):
         """Every chunk the tier holds, for rebuilding the index after a restart. Cleans up
         leftovers of interrupted writes on the way."""
 
+    def footprint(self, nbytes: int) -> int:
+        """What a chunk of ``nbytes`` (sealed, page padded) counts for in this tier's books:
+        the size :meth:`write` returns for it. The bytes themselves, unless the backend
+        accounts more (Redis: allocator classes and per-key overhead)."""
+        return nbytes
+
     def space(self) -> Space | None:
         """Room left on the backing filesystem, or ``None`` where that is not a question
         (object stores: their budget is kvtier's ``capacity_bytes``)."""

@@ -136,6 +136,9 @@ class RedisTier(SharedTier):
 
     # ------------------------------------------------------------------ chunks
 
+    def footprint(self, nbytes: int) -> int:
+        return footprint(nbytes)
+
     def write(self, key: ChunkKey, data: memoryview) -> int:
         view = memoryview(data).cast("B")
         header = codec.ChunkHeader.unpack(view[: codec.USED_HEADER_BYTES])

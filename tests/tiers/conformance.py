@@ -74,6 +74,13 @@ class LowerTierConformance:
         got = read_back(tier, key, len(data))
         assert got is not None and got == data
 
+    def test_write_reports_the_footprint_it_promises(self, tier: LowerTier) -> None:
+        """The store offers a peer's chunk only if its size in the books is at most
+        ``footprint(slot)``: what ``write`` returns must be exactly that footprint."""
+        key = key_of("footprint")
+        data = sealed_chunk(key)
+        assert tier.write(key, data) == tier.footprint(len(data))
+
     def test_read_into_a_larger_buffer(self, tier: LowerTier) -> None:
         key = key_of("larger buffer")
         data = sealed_chunk(key)

@@ -8,8 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from store_helpers import SLOT_BYTES, MakeStore, expected, keys, load, settle, store_chunks
 
 from kvtier import codec
+from kvtier.codec import HEADER_SIZE
 from kvtier.errors import CorruptChunkError, TierIOError, TierTimeout
 from kvtier.services import RedisServer
 from kvtier.tiers import TIERS
@@ -18,7 +20,7 @@ from kvtier.tiers.redis_memory import footprint
 from kvtier.tiers.shared import SharedTier
 
 from .conformance import NAMESPACE, key_of, page_buffer, read_back, sealed_chunk
-from .redis_helpers import plain, redis_tier
+from .redis_helpers import FAST, plain, redis_tier
 from .shared_conformance import SharedTierConformance
 
 pytestmark = pytest.mark.services
@@ -219,3 +221,24 @@ def test_the_packed_transaction_is_what_redis_py_would_send() -> None:
         "the big value is sent as it is, not copied into the packet"
     reference = redis.Connection().pack_commands([("MULTI",), *commands, ("EXEC",)])
     assert b"".join(map(bytes, parts)) == b"".join(map(bytes, reference))
+
+
+def test_a_chunk_another_server_wrote_is_offered_here(redis_server: RedisServer,
+                                                      make_store: MakeStore,
+                                                      tmp_path: Path) -> None:
+    """Redis books a chunk at its memory footprint, more than the chunk: a full-size chunk
+    must still count as fitting this server's slots (the cross-node e2e case)."""
+    tier = {"type": "redis", "name": "shared", "capacity_bytes": 1 << 26, "io_threads": 2,
+            "options": {"url": redis_server.url, **FAST}}
+    writer = make_store(tmp_path / "a", tiers=[tier])
+    writer.rebuild()
+    k = keys(3, "peer")
+    store_chunks(writer, k, n=SLOT_BYTES - HEADER_SIZE)  # as big as a slot takes
+    settle(writer)
+    reader = make_store(tmp_path / "b", tiers=[tier])
+    reader.rebuild()
+    assert reader.tiers[0].sizes[k[0]] > SLOT_BYTES, "booked at its footprint"
+    assert reader.lookup(k) == ["shared"] * 3
+    assert load(reader, k, n=SLOT_BYTES - HEADER_SIZE).payloads == expected(
+        k, n=SLOT_BYTES - HEADER_SIZE)
+    reader.check_integrity()
