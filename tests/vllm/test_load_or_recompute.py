@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 from rig import CHUNK
 from store_helpers import sample
-from test_connector_sides import PROMPT, engines, pushed_to_disk, stored_prompt
+from test_connector_sides import PROMPT, pushed_to_disk, stored_prompt
 
 from kvtier.server import NodeServer
 from kvtier.vllm.recompute import PrefillMeter, choose
-
-__all__ = ["engines"]  # the fixture, shared with test_connector_sides
 
 
 def test_the_cut_maximises_recompute_time_saved_minus_arrival() -> None:
