@@ -55,11 +55,10 @@ from kvtier.store.loads import Loads
 from kvtier.store.lower import LowerTierState
 from kvtier.store.promotions import Promotions
 from kvtier.store.records import Entry, LeaseRecord, Where
-from kvtier.store.scan import bounded_scan
+from kvtier.store.scan import bounded_scan, newest_that_fit
 from kvtier.store.sharing import Sharing
 from kvtier.store.writes import Writes
 from kvtier.tiers.arena import Arena
-from kvtier.tiers.base import StoredChunk
 
 log = logging.getLogger("kvtier.store")
 ARENA = "arena"
@@ -181,22 +180,16 @@ class TieredStore:
             self._unlisted(state, exc)
             return 0
         state.learn_space(space)
-        found = sorted(listed, key=lambda c: c.mtime, reverse=True)
         if state.sharing is not None:  # others' chunks too; budgets are the sweeper's
             state.sharing.listed(started_ms)
-            room = sum(c.size for c in found)
+            room = sum(c.size for c in listed)
         else:
             room = state.capacity - state.used
-        kept: list[StoredChunk] = []
-        for chunk in found:  # the newest fill the tier; if it shrank, the oldest go
-            if chunk.size > room:
-                with self._locked("rebuild"):
-                    self.writes.delete_later(state, chunk.key, chunk.namespace)
-                continue
-            room -= chunk.size
-            kept.append(chunk)
+        kept, left = newest_that_fit(listed, room)  # if the tier shrank, the oldest go
         with self._locked("rebuild"):
-            for chunk in reversed(kept):  # oldest first, as the eviction policy orders
+            for chunk in left:
+                self.writes.delete_later(state, chunk.key, chunk.namespace)
+            for chunk in kept:
                 state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
         log.info("tier %s: indexed %d chunks, %d bytes", state.name, len(state.sizes),
                  state.used)

@@ -26,6 +26,7 @@ from kvtier.errors import CorruptChunkError, TierError, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store.iopool import Job
 from kvtier.store.lower import LowerTierState
+from kvtier.store.scan import newest_that_fit
 from kvtier.tiers.base import StoredChunk
 
 log = logging.getLogger("kvtier.store")
@@ -95,8 +96,9 @@ class Housekeeper:
         state.pool.submit(run, on_abandon=gave_up, on_late=gave_up)
 
     def _rescan(self, state: LowerTierState) -> None:
-        """List a tier whose listing failed at start, now that it answers again: what it
-        holds and the books lack is indexed while it fits (newest first)."""
+        """List a tier whose listing failed at start, now that it answers again: of what it
+        holds and the books lack, the newest that fit are indexed (oldest first, as at
+        start); the rest stays on the tier until the next start's listing."""
         with self.locked("rescan"):
             state.rescan = False
 
@@ -105,12 +107,16 @@ class Housekeeper:
 
         def run(_job: Job) -> None:
             try:
-                found = sorted(state.tier.scan(), key=lambda c: c.mtime, reverse=True)
+                listed = list(state.tier.scan())
             except TierError as exc:
                 log.warning("tier %s: listing it again failed: %s", state.name, exc)
                 with self.locked("rescan"):
                     again()
                 return
+            with self.locked("rescan"):  # a snapshot: the live check is _index_found's
+                held = set(state.sizes)
+                room = state.capacity - state.used - state.reserved
+            found, _left = newest_that_fit([c for c in listed if c.key not in held], room)
             for start in range(0, len(found), RESCAN_BATCH):
                 with self.locked("rescan"):
                     self._index_found(state, found[start : start + RESCAN_BATCH])

@@ -60,3 +60,19 @@ def bounded_scan(state: LowerTierState) -> tuple[Space | None, list[StoredChunk]
     if listing.error is not None:
         raise listing.error
     return listing.space, listing.found
+
+
+def newest_that_fit(found: list[StoredChunk], room: int
+                    ) -> tuple[list[StoredChunk], list[StoredChunk]]:
+    """Of the chunks a listing found, the newest that fit ``room`` bytes, oldest first (the
+    order the eviction policy wants them indexed in), and the ones left out."""
+    kept: list[StoredChunk] = []
+    left: list[StoredChunk] = []
+    for chunk in sorted(found, key=lambda c: c.mtime, reverse=True):
+        if chunk.size > room:
+            left.append(chunk)
+            continue
+        room -= chunk.size
+        kept.append(chunk)
+    kept.reverse()
+    return kept, left
