@@ -54,8 +54,10 @@ def check_everything_answers(tier: RedisTier, server: RedisServer,
     assert tier.reconcile() >= len(stale)
     listed = {c.key for c in tier.scan()}
     assert listed <= set(kept), "after reconcile the index names only chunks that are there"
+    # docs/shared.md: under allkeys-* an evicted note reads None while list_notes may still
+    # name it (until the next reconcile); never other bytes.
     for name in tier.list_notes("journal/"):
-        assert tier.get_note(name) == b"x" * 100
+        assert tier.get_note(name) in (b"x" * 100, None)
 
 
 def test_allkeys_lru_evicts_chunks_and_the_tier_keeps_working(make_redis: MakeRedis,
