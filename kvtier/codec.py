@@ -10,17 +10,33 @@ The same layout is used in an arena slot and in a file or object, so a lower-tie
 in a slot with no extra copy. The header carries its own checksum and the payload's (xxh3-64),
 the namespace fingerprint and the key: a torn, truncated, foreign or bit-flipped object fails
 :func:`verify` and is never served.
+
+With a cluster secret (:mod:`kvtier.auth`) the header page also carries a MAC, and the
+``FLAG_MAC`` flag says so::
+
+    offset 0      the checked struct (magic ... key) and its xxh3-64
+    offset 128    key id (8 bytes), nonce (12), tag (16): GMAC over the checked struct, the
+                  key id and the payload
+
+:func:`verify` given a keyring demands a MAC one of its secrets made (a shared tier: another
+writer may have chosen the bytes); without one it checks the checksums only (the arena and the
+node's own disk, written by this node alone).
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvtier.errors import CorruptChunkError
+from kvtier.errors import CorruptChunkError, UnauthenticatedChunk
 from kvtier.keys import FORMAT_VERSION, ChunkKey
+
+if TYPE_CHECKING:
+    from kvtier.auth import Keyring
 
 MAGIC = b"KVTC"
 HEADER_SIZE = 4096
@@ -30,6 +46,9 @@ _STRUCT = struct.Struct("<4sHHIIBxxxQQ32s32s")
 _CHECKED = _STRUCT.size
 _HEADER_CHECKSUM = struct.Struct("<Q")
 USED_HEADER_BYTES = _CHECKED + _HEADER_CHECKSUM.size
+FLAG_MAC = 0x1
+_MAC_AT = 128
+_MAC = struct.Struct("<8s12s16s")
 
 
 def align_up(n: int, to: int = PAGE) -> int:
@@ -84,20 +103,31 @@ def payload_checksum(payload: memoryview | bytes) -> int:
 
 
 def seal(buf: memoryview, namespace_fp: bytes, key: ChunkKey, tokens: int, payload_len: int,
-         priority: int = 35) -> ChunkHeader:
-    """Checksum the payload already in ``buf[HEADER_SIZE:]`` and write the header in front."""
+         priority: int = 35, keyring: Keyring | None = None) -> ChunkHeader:
+    """Checksum the payload already in ``buf[HEADER_SIZE:]`` and write the header in front;
+    with a keyring, MAC it with the signing secret too."""
     payload = buf[HEADER_SIZE : HEADER_SIZE + payload_len]
     header = ChunkHeader(namespace_fp, key, tokens, payload_len, payload_checksum(payload),
-                         priority)
+                         priority, FLAG_MAC if keyring is not None else 0)
     header.pack_into(buf)
+    if keyring is not None:
+        key_id, nonce = keyring.signing_id, keyring.new_nonce()
+        tag = keyring.chunk_tag(key_id, nonce, bytes(buf[:_CHECKED]) + key_id, payload)
+        assert tag is not None
+        _MAC.pack_into(buf, _MAC_AT, key_id, nonce, tag)
+    else:
+        buf[_MAC_AT:_MAC_AT + _MAC.size] = bytes(_MAC.size)
     return header
 
 
-def verify(buf: memoryview, key: ChunkKey, namespace_fp: bytes | None = None) -> ChunkHeader:
+def verify(buf: memoryview, key: ChunkKey, namespace_fp: bytes | None = None,
+           keyring: Keyring | None = None) -> ChunkHeader:
     """Check that ``buf`` holds an intact chunk stored under ``key``.
 
     Raises CorruptChunkError on a bad header, a foreign key or namespace, a payload that does
-    not fit ``buf``, or a payload checksum mismatch.
+    not fit ``buf``, or a payload checksum mismatch; with a keyring, UnauthenticatedChunk when
+    the chunk has no MAC that one of its secrets made (the MAC then stands for the payload
+    checksum: it is the stronger check, and one pass over the payload is enough).
     """
     header = ChunkHeader.unpack(buf)
     if header.key != key:
@@ -107,6 +137,21 @@ def verify(buf: memoryview, key: ChunkKey, namespace_fp: bytes | None = None) ->
     end = HEADER_SIZE + header.payload_len
     if end > len(buf):
         raise CorruptChunkError(f"payload truncated: need {end} bytes, have {len(buf)}")
-    if payload_checksum(buf[HEADER_SIZE:end]) != header.checksum:
+    if keyring is not None:
+        _authenticate(buf, header, keyring, end)
+    elif payload_checksum(buf[HEADER_SIZE:end]) != header.checksum:
         raise CorruptChunkError("payload checksum mismatch")
     return header
+
+
+def _authenticate(buf: memoryview, header: ChunkHeader, keyring: Keyring, end: int) -> None:
+    if not header.flags & FLAG_MAC:
+        raise UnauthenticatedChunk("chunk carries no MAC (written without the cluster secret)")
+    key_id, nonce, tag = _MAC.unpack_from(buf, _MAC_AT)
+    want = keyring.chunk_tag(key_id, nonce, bytes(buf[:_CHECKED]) + key_id,
+                             buf[HEADER_SIZE:end])
+    if want is None:
+        raise UnauthenticatedChunk(f"chunk signed with key id {key_id.hex()}, which is not "
+                                   f"among the accepted secrets")
+    if not hmac.compare_digest(want, tag):
+        raise UnauthenticatedChunk("chunk MAC mismatch (resealed without the cluster secret)")

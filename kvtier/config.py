@@ -184,8 +184,27 @@ class TierConfig(ConfigStruct, frozen=True):
             raise ConfigError("name must be lowercase [a-z0-9_-] (max 32) and not 'arena'")
 
 
+class AuthConfig(ConfigStruct, frozen=True):
+    """Where a server finds its secrets: environment variables or owner-only files, never
+    the config itself (docs/security.md)."""
+
+    shared_secret_env: str = "KVTIER_SHARED_SECRET"
+    """The cluster secret(s) that sign and check chunks and notes of shared tiers; several,
+    separated by commas: the first signs, all are accepted."""
+    shared_secret_file: str | None = None
+    """Instead of the variable: a file (mode 600) with one secret per line."""
+    http_token_env: str = "KVTIER_NODE_TOKEN"
+    """The bearer token the node HTTP API asks of ``/v1/lookup``, ``/v1/namespaces`` and
+    ``/v1/stats``; unset: those answer anyone on the bound address."""
+    http_token_file: str | None = None
+    """Instead of the variable: a file (mode 600) holding the token."""
+    metrics_need_token: bool = False
+    """Whether ``/metrics`` asks for the token too."""
+
+
 class ServerConfig(ConfigStruct, frozen=True):
     socket_path: str = ""
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     arena: ArenaConfig = msgspec.field(default_factory=ArenaConfig)
     tiers: tuple[TierConfig, ...] = ()
     metrics_port: int | None = None

@@ -17,7 +17,10 @@ exceptions. What remains is drawn here::
     │   ├── TierIOError(OSError)         an I/O error from a tier's backing store
     │   │   ├── TierTimeout              the backing store did not answer in time
     │   │   └── TierFull                 the backing store itself is out of space (ENOSPC)
-    │   └── CorruptChunkError            header or checksum mismatch: never served
+    │   ├── CorruptChunkError            header or checksum mismatch: never served
+    │   │   ├── ChunkTooLarge            larger than this reader's slot: a plain miss
+    │   │   └── UnauthenticatedChunk     no valid MAC under an accepted cluster secret
+    │   └── NoteTooLarge                 a shared tier's note is over its size cap: skipped
     ├── IntegrityError(RuntimeError)     check_integrity() found broken bookkeeping
     └── ServiceError                     a local service for tests and demos (kvtier.services)
         ├── ServiceMissing               its binary or FUSE is not available: says how to install
@@ -94,6 +97,17 @@ class CorruptChunkError(TierError):
 class ChunkTooLarge(CorruptChunkError):
     """A stored chunk is larger than the buffer given to read it into: not this reader's
     chunk size (a server with bigger slots may have written it), not proof of corruption."""
+
+
+class UnauthenticatedChunk(CorruptChunkError):
+    """A chunk of a shared tier carries no MAC, or none that an accepted cluster secret
+    makes: another writer may have chosen its bytes. Never served."""
+
+
+class NoteTooLarge(TierError):
+    """A note on a shared tier is larger than the cap for what it is (checked from its
+    size before it is read): written by a buggy or hostile peer; skipped and counted, and
+    not a failure of the tier (the breaker does not count it)."""
 
 
 class IntegrityError(KvtierError, RuntimeError):

@@ -13,8 +13,21 @@ heartbeats that elect the one server that sweeps. Layout, the same on every back
 
 Namespaces stay apart so usage can be listed and budgeted per namespace. Every chunk read is
 verified by the store, so whatever a backend returns — a torn object, another writer's newer
-copy, a deleted object — is at worst a miss. Calls block on the network or the mount; the
+copy, a deleted object — is at worst a miss (and with a cluster secret, a chunk resealed by a
+writer without it too: :mod:`kvtier.auth`). Calls block on the network or the mount; the
 store bounds them with ``io_timeout_s`` and never calls a tier under its lock.
+
+Everything a backend lists or returns was written by *other* writers and is untrusted input
+(docs/security.md). Every implementation keeps these rules:
+
+- sizes are checked before anything is read (stat, ContentLength, STRLEN): a note over
+  ``max_bytes`` raises :class:`~kvtier.errors.NoteTooLarge`, a chunk over the buffer
+  :class:`~kvtier.errors.ChunkTooLarge`; nothing larger is ever held in memory;
+- one bad entry (a name that does not parse, an entry of the wrong type, garbage in an
+  index) is skipped, never fails a listing, a scan, a sweep or a start;
+- listings are bounded: :meth:`SharedTier.list_notes` returns at most ``limit`` names;
+- fs: entries are opened without following links and without blocking, regular files only;
+- nothing outside the tier's own prefix (folder, key prefix) is ever listed or deleted.
 """
 
 from __future__ import annotations
@@ -39,6 +52,11 @@ else:
 NOTE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
 CHUNK_FILE = re.compile(r"([0-9a-f]{64})\.kvc")
+MAX_NOTE_BYTES = 1 << 20
+"""The largest note a reader accepts by default: a journal note holds at most
+``journal.MAX_RECORDS`` records of about 80 bytes; a heartbeat is tiny."""
+MAX_LISTED_NOTES = 10_000
+"""The most names one :meth:`SharedTier.list_notes` call returns by default."""
 
 
 class SharingOptions(ConfigStruct, frozen=True):
@@ -109,12 +127,17 @@ class SharedTier(LowerTier):
         """Store a small note under ``name`` (replacing any)."""
 
     @abstractmethod
-    def get_note(self, name: str) -> bytes | None: ...
+    def get_note(self, name: str, max_bytes: int = MAX_NOTE_BYTES) -> bytes | None:
+        """The note's bytes, ``None`` if there is none. Its size is checked before it is
+        read: a note over ``max_bytes`` raises NoteTooLarge (and is not read); an entry of
+        another kind under that name (fs: a folder, a FIFO, a link) is ``None``."""
 
     @abstractmethod
-    def list_notes(self, prefix: str, start_after: str = "") -> list[str]:
-        """Names under ``prefix`` (a folder such as ``journal/``) sorting after
-        ``start_after``, in order."""
+    def list_notes(self, prefix: str, start_after: str = "",
+                   limit: int = MAX_LISTED_NOTES) -> list[str]:
+        """The first ``limit`` names under ``prefix`` (a folder such as ``journal/``)
+        sorting after ``start_after``, in order. Names that are not valid note names
+        (:func:`check_note_name`) are left out."""
 
     @abstractmethod
     def delete_note(self, name: str) -> None:

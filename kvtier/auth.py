@@ -1,0 +1,177 @@
+"""Who may write a shared tier: the cluster secret and the MACs made with it.
+
+Every server of a shared tier reads what the others wrote. Checksums (xxh3, :mod:`kvtier.codec`)
+catch accidents, not a writer who picks the bytes. With a cluster secret every chunk and note a
+server writes to a shared tier carries a MAC over everything that decides what it means — for
+a chunk the header (namespace, key, token count, payload length) and the payload, for a note its
+name and bytes — and what fails it is never served or applied::
+
+    secrets (env or an owner-only file, one per line)  ──derive──►  per secret:
+        chunk key  = HMAC-SHA256(secret, "kvtier chunk MAC v1")     AES-256 key
+        note key   = HMAC-SHA256(secret, "kvtier note MAC v1")
+        key id     = HMAC-SHA256(secret, "kvtier key id v1")[:8]    names the secret, not it
+
+    chunk MAC: GMAC (AES-256-GCM, a fresh random 96-bit nonce per seal) over the header and
+               the payload; 13-16 GB/s on one core with AES-NI, against 4 GB/s for keyed
+               BLAKE3 and 20 GB/s for the xxh3 checksum it replaces on authenticated reads
+    note MAC:  HMAC-SHA256 over the note's name and bytes (notes are small)
+
+The first secret signs; every listed secret is accepted (rotation: add the new one second on
+every server, then move it first, then drop the old one). The secrets never enter the config,
+a log line, ``describe()`` or ``repr``. Without a secret nothing is signed or checked and a
+server trusts every writer of its shared tiers (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from kvtier.errors import ConfigError
+
+MIN_SECRET_BYTES = 16
+KEY_ID_BYTES = 8
+NONCE_BYTES = 12
+TAG_BYTES = 16
+NOTE_MAC_BYTES = 32
+NOTE_MAGIC = b"KVTN"
+NOTE_OVERHEAD = len(NOTE_MAGIC) + KEY_ID_BYTES + NOTE_MAC_BYTES
+_CHUNK_CONTEXT = b"kvtier chunk MAC v1"
+_NOTE_CONTEXT = b"kvtier note MAC v1"
+_ID_CONTEXT = b"kvtier key id v1"
+
+
+def _derive(context: bytes, secret: bytes) -> bytes:
+    return hmac.new(secret, context, hashlib.sha256).digest()
+
+
+@dataclass(frozen=True, repr=False)
+class _Key:
+    key_id: bytes
+    chunk: AESGCM
+    note: bytes
+
+    def note_mac(self, name: str, data: bytes) -> bytes:
+        return hmac.new(self.note, name.encode() + b"\0" + data, hashlib.sha256).digest()
+
+
+@dataclass(frozen=True, repr=False)
+class Keyring:
+    """The accepted secrets, derived into MAC keys; the first one signs."""
+
+    _keys: tuple[_Key, ...]
+    _by_id: dict[bytes, _Key] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self._keys:
+            raise ValueError("a keyring needs at least one secret")
+        object.__setattr__(self, "_by_id", {k.key_id: k for k in self._keys})
+
+    @classmethod
+    def from_secrets(cls, secrets: Sequence[bytes]) -> Keyring:
+        for i, secret in enumerate(secrets):
+            if len(secret) < MIN_SECRET_BYTES:
+                raise ConfigError(f"cluster secret #{i + 1} is {len(secret)} bytes; at least "
+                                  f"{MIN_SECRET_BYTES} are required")
+        return cls(tuple(_Key(_derive(_ID_CONTEXT, s)[:KEY_ID_BYTES],
+                              AESGCM(_derive(_CHUNK_CONTEXT, s)), _derive(_NOTE_CONTEXT, s))
+                         for s in secrets))
+
+    def __repr__(self) -> str:
+        return f"Keyring({len(self._keys)} secrets, signing key id {self.signing_id.hex()})"
+
+    @property
+    def signing_id(self) -> bytes:
+        return self._keys[0].key_id
+
+    @property
+    def key_ids(self) -> list[str]:
+        """The accepted key ids in hex (safe to show: they do not reveal the secrets)."""
+        return [k.key_id.hex() for k in self._keys]
+
+    # ------------------------------------------------------------------ chunks
+
+    @staticmethod
+    def new_nonce() -> bytes:
+        return os.urandom(NONCE_BYTES)
+
+    def chunk_tag(self, key_id: bytes, nonce: bytes, header: bytes,
+                  payload: bytes | memoryview) -> bytes | None:
+        """The GMAC tag of ``header`` and ``payload`` under the secret named ``key_id``
+        (``None`` for a key id that is not accepted). ``header`` is the GCM plaintext
+        (short; its ciphertext is dropped), ``payload`` the associated data, so the one tag
+        binds both."""
+        key = self._by_id.get(bytes(key_id))
+        if key is None:
+            return None
+        return key.chunk.encrypt(bytes(nonce), header, payload)[-TAG_BYTES:]
+
+    # ------------------------------------------------------------------ notes
+
+    def sign_note(self, name: str, data: bytes) -> bytes:
+        """``data`` framed with the signing key's id and a MAC over the note's name and
+        bytes (so a signed note cannot be replayed under another name or date)."""
+        key = self._keys[0]
+        return NOTE_MAGIC + key.key_id + key.note_mac(name, data) + data
+
+    def open_note(self, name: str, blob: bytes) -> bytes | None:
+        """The bytes of a note signed by an accepted secret, ``None`` otherwise."""
+        if len(blob) < NOTE_OVERHEAD or not blob.startswith(NOTE_MAGIC):
+            return None
+        at = len(NOTE_MAGIC)
+        key = self._by_id.get(blob[at:at + KEY_ID_BYTES])
+        if key is None:
+            return None
+        mac = blob[at + KEY_ID_BYTES:NOTE_OVERHEAD]
+        data = blob[NOTE_OVERHEAD:]
+        return data if hmac.compare_digest(mac, key.note_mac(name, data)) else None
+
+
+def read_secrets(env_name: str | None, file: str | None, what: str = "cluster secret",
+                 environ: dict[str, str] | None = None) -> list[bytes]:
+    """Secrets from an owner-only file (one per line) if ``file`` is set, else from the
+    environment variable ``env_name`` (separated by commas); ``[]`` when neither is set.
+    Errors name the source, never a secret."""
+    environ = dict(os.environ) if environ is None else environ
+    if file:
+        return _from_file(file, what)
+    raw = environ.get(env_name or "", "")
+    return [s.strip().encode() for s in raw.split(",") if s.strip()]
+
+
+def _from_file(path: str, what: str) -> list[bytes]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"{what} file {path}: cannot open: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{what} file {path}: not a regular file")
+        if info.st_mode & 0o077:
+            raise ConfigError(f"{what} file {path}: readable by others (mode "
+                              f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
+        if info.st_size > 64 << 10:
+            raise ConfigError(f"{what} file {path}: {info.st_size} bytes; at most 64 KiB")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            text = f.read(64 << 10)
+    finally:
+        os.close(fd)
+    secrets = [line.strip() for line in text.splitlines()]
+    found = [s for s in secrets if s and not s.startswith(b"#")]
+    if not found:
+        raise ConfigError(f"{what} file {path}: holds no secret")
+    return found
+
+
+def load_keyring(env_name: str | None, file: str | None,
+                 environ: dict[str, str] | None = None) -> Keyring | None:
+    """The cluster keyring from its sources, ``None`` when no secret is configured."""
+    secrets = read_secrets(env_name, file, environ=environ)
+    return Keyring.from_secrets(secrets) if secrets else None
