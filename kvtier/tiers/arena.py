@@ -13,23 +13,39 @@ Slot bookkeeping lives only in the server process::
                                                   cannot be freed
 
 ``WRITING`` covers both a client writing a new chunk and a lower tier reading one in.
+
+Liveness: the creator holds an exclusive ``flock`` on the arena file from before its name is
+usable until after its name is unlinked, and the kernel drops that lock when the owner dies, in
+whatever PID namespace it ran. :func:`sweep_stale` removes an arena only if it can take the
+lock, so servers of containers sharing ``/dev/shm`` (``--ipc=host``) never remove each other's
+live arenas. Clients open and map the file but never ``flock`` it; closing their descriptors
+cannot drop a lock held on the creator's open file description.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
+import fcntl
+import logging
 import mmap
 import os
+import re
 import secrets
+import stat
+import time
+import weakref
 from collections import deque
 
 import numpy as np
 
 from kvtier.errors import ConfigError, IntegrityError
-from kvtier.processes import alive
 
 SHM_DIR = "/dev/shm"
+LOCK_WAIT_S = 1.0
+"""How long a new arena waits for a sweeper that locked it in the instant before its creator."""
+log = logging.getLogger("kvtier.server")
 
 
 class SlotState(enum.IntEnum):
@@ -49,41 +65,41 @@ def shm_path(name: str) -> str:
 
 
 class ArenaMapping:
-    """A process's mapping of an arena: the bytes only, no bookkeeping."""
+    """A process's mapping of an arena: the bytes only, no bookkeeping.
+
+    With ``create=True`` this process owns the arena: it holds the liveness lock until
+    :meth:`unlink` (or until the object is collected or the process exits); :meth:`close` only
+    unmaps, so the name is never unlocked while it still names this arena.
+    """
 
     def __init__(self, name: str, num_slots: int, slot_bytes: int, *, create: bool,
                  prefault: bool = True) -> None:
         self.name = name
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
+        self._owned: tuple[int, int] | None = None  # (st_dev, st_ino) of the arena we created
+        self._unlock: weakref.finalize | None = None
         size = num_slots * slot_bytes
         path = shm_path(name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError as exc:
-            raise ConfigError(f"arena {name!r} already exists in {SHM_DIR}: another server "
-                              "uses that name, or a dead one left it (remove the file)") from exc
-        except FileNotFoundError as exc:
-            raise ConfigError(f"arena {name!r} does not exist in {SHM_DIR}: is the server "
-                              "running?") from exc
+        fd = _create_locked(path) if create else _open_existing(path)
         try:
             info = os.fstat(fd)
             if create:
                 os.ftruncate(fd, size)
-            elif info.st_uid != os.getuid():
-                raise ConfigError(f"arena {name!r} belongs to uid {info.st_uid}, not to us")
-            elif info.st_size < size:
-                raise ConfigError(f"arena {name!r} is smaller than {size} bytes")
+            else:
+                _check_attachable(name, info, size)
             populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         except BaseException:
-            os.close(fd)
             if create:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                _unlink_if_same(path, _identity(os.fstat(fd)))
+            os.close(fd)
             raise
-        os.close(fd)
+        if create:
+            self._owned = _identity(info)
+            self._unlock = weakref.finalize(self, os.close, fd)
+        else:
+            os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
         if create and prefault:
             self.array.fill(0)  # allocate every page now, not on the data path
@@ -99,8 +115,99 @@ class ArenaMapping:
             self._mmap.close()
 
     def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(shm_path(self.name))
+        """Remove the name; an owner removes it only while it still names its own arena, and
+        drops the liveness lock after, so no sweeper or new server can slip in between."""
+        path = shm_path(self.name)
+        if self._owned is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        _unlink_if_same(path, self._owned)
+        if self._unlock is not None:
+            self._unlock()
+
+
+def _create_locked(path: str) -> int:
+    """A new arena file at ``path``, exclusively locked and still linked there.
+
+    A sweeper may lock a fresh file in the instant between its creation and our lock; it then
+    unlinks it, which we see as the name no longer naming our file, and we try again.
+    """
+    name = os.path.basename(path)
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except FileExistsError as exc:
+            raise ConfigError(f"arena {name!r} already exists in {SHM_DIR}: another server "
+                              "uses that name, or a dead one left it (remove the file)") from exc
+        if not _lock(fd, LOCK_WAIT_S):  # a sweep holds it for microseconds, not a second
+            _unlink_if_same(path, _identity(os.fstat(fd)))
+            os.close(fd)
+            raise ConfigError(f"arena {name!r} was held locked by another process while it "
+                              "was being created; only its creating server may lock it")
+        if _names(path, fd):
+            return fd
+        os.close(fd)
+    raise ConfigError(f"arena {name!r} was removed from {SHM_DIR} while it was being created, "
+                      "three times: is something deleting files there?")
+
+
+def _lock(fd: int, wait_s: float) -> bool:
+    """Take the exclusive lock on ``fd``, waiting at most ``wait_s`` (never forever: a
+    same-user process could hold it on purpose)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed if a link) still names the file open as ``fd``."""
+    try:
+        here = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return _identity(here) == _identity(os.fstat(fd))
+
+
+def _unlink_if_same(path: str, identity: tuple[int, int]) -> None:
+    """Unlink ``path`` only if it names the file ``identity`` (never one that replaced it)."""
+    with contextlib.suppress(FileNotFoundError):
+        if _identity(os.stat(path, follow_symlinks=False)) == identity:
+            os.unlink(path)
+
+
+def _open_existing(path: str) -> int:
+    name = os.path.basename(path)
+    try:
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"arena {name!r} does not exist in {SHM_DIR}: is the server "
+                          "running?") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"arena {name!r} in {SHM_DIR} is a symbolic link; only the "
+                              "regular file the server created is allowed") from exc
+        raise
+
+
+def _check_attachable(name: str, info: os.stat_result, size: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"arena {name!r} is not a regular file")
+    if info.st_uid != os.getuid():
+        raise ConfigError(f"arena {name!r} belongs to uid {info.st_uid}, not to us")
+    if info.st_size < size:
+        raise ConfigError(f"arena {name!r} is smaller than {size} bytes")
 
 
 class Arena(ArenaMapping):
@@ -177,24 +284,65 @@ class Arena(ArenaMapping):
             raise IntegrityError("negative lease count")
 
 
+ARENA_PREFIX = "kvtier-arena-"
+"""Default names are ``kvtier-arena-UID-PID-RANDOM``: the lock, not the pid, says whether the
+owner lives (the pid is only for people, and is of the owner's own PID namespace)."""
+_DEFAULT = re.compile(r"kvtier-arena-(\d+)-\d+-[0-9a-f]{8,32}")
+_LEGACY = re.compile(r"kvtier-(\d+)-\d+-[^-]+")
+"""Names earlier kvtier versions gave arenas they never locked: kept (see :func:`sweep_stale`)."""
+
+
 def default_name() -> str:
-    """``kvtier-UID-PID-RANDOM``: the pid lets a later server remove it if this one dies."""
-    return f"kvtier-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+    """A fresh default name; only these are ever removed by :func:`sweep_stale`."""
+    return f"{ARENA_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def sweep_stale() -> list[str]:
-    """Unlink default-named arenas of this user whose server process is gone (a server
-    killed with SIGKILL cannot unlink its own). Returns the names removed."""
-    prefix = f"kvtier-{os.getuid()}-"
+    """Unlink this user's default-named arenas whose owner is gone (a server killed with
+    SIGKILL cannot unlink its own). Returns the names removed.
+
+    An arena is gone only if its lock can be taken now; a live owner in any PID namespace
+    holds it. Arenas named by older kvtier versions carry no lock, and a pid in their name may
+    be of another namespace, so nothing proves them dead: they are kept and logged.
+    """
+    uid = os.getuid()
     removed = []
-    for name in os.listdir(SHM_DIR):
-        parts = name[len(prefix):].split("-")
-        if not name.startswith(prefix) or len(parts) != 2 or not parts[0].isdigit():
-            continue
-        if alive(int(parts[0])):
-            continue
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            if os.stat(shm_path(name)).st_uid == os.getuid():
-                os.unlink(shm_path(name))
+    for name in sorted(os.listdir(SHM_DIR)):
+        match = _DEFAULT.fullmatch(name)
+        if match and int(match.group(1)) == uid:
+            if _remove_if_unlocked(shm_path(name), uid):
                 removed.append(name)
+            continue
+        legacy = _LEGACY.fullmatch(name)
+        if legacy and int(legacy.group(1)) == uid:
+            log.warning("kept arena %s/%s: an older kvtier made it without a lock, so whether "
+                        "its server lives is unknown; remove it by hand once no older kvtier "
+                        "server runs", SHM_DIR, name)
     return removed
+
+
+def _remove_if_unlocked(path: str, uid: int) -> bool:
+    """Lock the regular file at ``path`` (never through a link), and unlink it while holding
+    the lock if the name still names that file: no owner can take it back in between."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone already, a link, or not ours to open
+    try:
+        if _identity(os.fstat(fd)) != _identity(info):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner lives
+        if not _names(path, fd):
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -32,7 +32,7 @@ from kvtier.codec import HEADER_SIZE
 from kvtier.errors import RequestRejected, ServerUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.server import NodeServer
-from kvtier.tiers.arena import Arena, shm_path
+from kvtier.tiers.arena import Arena, default_name, shm_path
 
 
 def test_hello_describes_the_arena(server: NodeServer, client: KvtierClient) -> None:
@@ -233,16 +233,17 @@ def test_a_restart_under_a_fixed_arena_name_is_noticed(tmp_path: Path) -> None:
 
 
 def test_a_server_removes_arenas_left_by_dead_servers(make_server: MakeServer) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, timeout=30)
-    stale = f"kvtier-{os.getuid()}-{int(dead.stdout)}-abcd1234"
-    Arena(stale, 2, SLOT_BYTES, prefault=False).close()
-    mine = Arena(f"kvtier-{os.getuid()}-{os.getpid()}-live0001", 2, SLOT_BYTES, prefault=False)
+    dead = subprocess.run(  # exits without unlinking, as a server killed with SIGKILL does
+        [sys.executable, "-c", "import os\nfrom kvtier.tiers.arena import Arena, default_name\n"
+         f"print(Arena(default_name(), 2, {SLOT_BYTES}, prefault=False).name, flush=True)\n"
+         "os._exit(0)\n"], capture_output=True, text=True, check=True, timeout=30)
+    stale = dead.stdout.strip()
+    mine = Arena(default_name(), 2, SLOT_BYTES, prefault=False)
     try:
         assert os.path.exists(shm_path(stale))
         make_server()
         assert not os.path.exists(shm_path(stale))
-        assert os.path.exists(shm_path(mine.name))  # its process is alive: kept
+        assert os.path.exists(shm_path(mine.name))  # its owner holds its lock: kept
     finally:
         mine.close()
         mine.unlink()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,31 @@ def test_names_cannot_leave_dev_shm() -> None:
     for bad in ("../etc/x", "a/b", ".hidden"):
         with pytest.raises(ConfigError, match="must not contain"):
             shm_path(bad)
+
+
+def test_a_link_in_place_of_an_arena_is_never_followed(arena: Arena, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(bytes(SLOTS * SLOT_BYTES))
+    name = unique_name()
+    os.symlink(target, shm_path(name))
+    try:
+        with pytest.raises(ConfigError, match="symbolic link"):
+            ArenaMapping(name, SLOTS, SLOT_BYTES, create=False)
+        with pytest.raises(ConfigError, match="already exists"):
+            Arena(name, SLOTS, SLOT_BYTES, prefault=False)
+        assert target.read_bytes() == bytes(SLOTS * SLOT_BYTES)
+    finally:
+        os.unlink(shm_path(name))
+
+
+def test_an_owner_never_unlinks_a_file_that_replaced_its_arena() -> None:
+    arena = Arena(unique_name(), SLOTS, SLOT_BYTES, prefault=False)
+    path = shm_path(arena.name)
+    try:
+        os.unlink(path)  # someone removed it, and someone else took the name
+        Path(path).write_bytes(b"theirs")
+        arena.close()
+        arena.unlink()
+        assert Path(path).read_bytes() == b"theirs"
+    finally:
+        os.unlink(path)
