@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvtier.auth import Keyring, load_keyring
 from kvtier.config import ServerConfig, TierConfig
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import journal
@@ -110,8 +111,10 @@ def run_gc(args: argparse.Namespace) -> int:
         if not isinstance(tier, SharedTier):
             out.append({"tier": config.name, "skipped": "a local tier is kept by its server"})
             continue
+        keyring = _keyring(args)
         report = sweep(tier, config.capacity_bytes, dry_run=args.dry_run,
-                       deleted=functools.partial(_journal, tier))
+                       deleted=functools.partial(_journal, tier, keyring=keyring),
+                       keyring=keyring)
         out.append({"tier": config.name, "dry_run": args.dry_run,
                     "usage": {ns.hex(): used for ns, used in report.usage.items()},
                     "deleted_chunks": len(report.deleted),
@@ -143,7 +146,7 @@ def run_rm(args: argparse.Namespace) -> int:
             for chunk in chunks:
                 tier.delete(chunk.key, namespace=chunk.namespace)
             if isinstance(tier, SharedTier):
-                _journal(tier, chunks)
+                _journal(tier, chunks, keyring=_keyring(args))
         out.append({"tier": config.name, "dry_run": args.dry_run,
                     "deleted_chunks": len(chunks),
                     "deleted_bytes": sum(c.size for c in chunks)})
@@ -151,16 +154,25 @@ def run_rm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _journal(tier: SharedTier, chunks: list[StoredChunk]) -> None:
+def _keyring(args: argparse.Namespace) -> Keyring | None:
+    """The cluster secret the config names (its notes must be signed as the servers' are)."""
+    auth = ServerConfig.from_yaml(args.config).auth
+    return load_keyring(auth.shared_secret_env, auth.shared_secret_file)
+
+
+def _journal(tier: SharedTier, chunks: list[StoredChunk], *,
+             keyring: Keyring | None = None) -> None:
     """Tell running servers what went (as a server of its own would), in notes of at most
-    JOURNAL_BATCH records (a server's notes are no bigger)."""
+    JOURNAL_BATCH records (a server's notes are no bigger), signed with the cluster secret
+    when there is one."""
     server = "c" + secrets.token_hex(7)
     for seq, start in enumerate(range(0, len(chunks), JOURNAL_BATCH)):
         records = [journal.Record("-", c.namespace, c.key)
                    for c in chunks[start : start + JOURNAL_BATCH]]
         name = journal.note_name(int(time.time() * 1000), server, seq)
         try:
-            tier.put_note(name, journal.encode(records))
+            data = journal.encode(records)
+            tier.put_note(name, data if keyring is None else keyring.sign_note(name, data))
         except TierError as exc:
             print(f"kvtier: could not journal {len(chunks) - start} deletes on {tier.name} "
                   f"({exc}); servers find them missing on their next read", file=sys.stderr)

@@ -41,6 +41,10 @@ class StoreMetrics:
         self.checksum_failures = Counter(
             "kvtier_checksum_failures", "Chunks that failed verification (quarantined)",
             ["tier"], registry=r)
+        self.untrusted = Counter(
+            "kvtier_untrusted", "Input from other writers of a shared tier that was dropped: "
+            "chunks failing their MAC, notes too large or unsigned, journal records that do "
+            "not parse or name an impossible size", ["tier", "what"], registry=r)
         self.store_refusals = Counter(
             "kvtier_store_refusals", "Reservations refused, by reason", ["reason"], registry=r)
         self.leases_active = Gauge("kvtier_leases_active", "Open leases", registry=r)

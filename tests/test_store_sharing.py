@@ -228,9 +228,9 @@ def test_journal_records_survive_garbage(ops: int) -> None:
     from kvtier.store import journal
 
     good = journal.Record("+", NS, keys(1)[0], 8192)
-    assert journal.decode(journal.encode([good])) == [good]
-    assert journal.decode(b"\xc1 not msgpack") == []
-    assert journal.decode(b"\x91\x94\xa1x\xc4\x01a\xc4\x01b\x01") == []  # wrong shapes
+    assert journal.decode(journal.encode([good])).records == [good]
+    assert journal.decode(b"\xc1 not msgpack").records == []
+    assert journal.decode(b"\x91\x94\xa1x\xc4\x01a\xc4\x01b\x01") == journal.Decoded([], 1)
 
 
 class SlowTouchFs(FsTier):
@@ -369,10 +369,12 @@ def test_a_chunk_larger_than_this_servers_slot_is_a_miss_not_corruption(
         store_chunks(big, k, n=SLOT_BYTES + 1000)  # fits only the big server's slots
         settle(big)
         state = small.tiers[0]
-        assert wait_until(lambda: k[0] in state, 3.0), "the books know of it"
-        assert small.lookup(k) == [], "but it is not offered: it cannot fit a slot here"
-        state.used += CHUNK_BYTES - state.sizes[k[0]]  # books that disagree with the tier:
-        state.sizes[k[0]] = CHUNK_BYTES                 # the read decides
+        assert state.sharing is not None
+        assert wait_until(lambda: state.sharing.rejected.get("journal_record") == 1, 3.0), \
+            "its journal record is dropped: no slot here can take it"
+        assert k[0] not in state and small.lookup(k) == [], "so it is not offered"
+        with small._locked("test"):  # books that disagree with the tier: the read decides
+            state.index(k[0], CHUNK_BYTES, 35, NS)
         assert small.lookup(k) == ["shared"]
         assert load(small, k).payloads == [None], "a miss"
         small.check_integrity()

@@ -36,7 +36,9 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from kvtier.auth import Keyring, load_keyring
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError, InvalidRequest, TierError
 from kvtier.keys import ChunkKey
@@ -78,8 +80,13 @@ class TieredStore:
     def __init__(self, config: ServerConfig, *, arena_name: str,
                  metrics: StoreMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 instance: str | None = None) -> None:
+                 instance: str | None = None,
+                 keyring: Keyring | Literal["config"] | None = "config") -> None:
         self.config = config
+        self.keyring = (load_keyring(config.auth.shared_secret_env, config.auth.shared_secret_file)
+                        if keyring == "config" else keyring)
+        """The cluster secret(s) for shared tiers (docs/security.md); from ``config.auth``
+        unless given."""
         self.instance = instance or secrets.token_hex(8)
         """Random per start: names this server in hellos and on shared tiers."""
         self.metrics = metrics or StoreMetrics()
@@ -101,8 +108,10 @@ class TieredStore:
         self.tiers_by_name = {state.name: state for state in self.tiers}
         self.reservations: Holdings[ChunkKey] = Holdings()
         self.leases = LeaseTable()
-        self.promotions = Promotions(self.index, self.leases, self.metrics, self._cond, clock)
-        self.writes = Writes(self.index, self.tiers, self.metrics, self._cond, self._reading)
+        self.promotions = Promotions(self.index, self.leases, self.metrics, self._cond, clock,
+                                     self.keyring)
+        self.writes = Writes(self.index, self.tiers, self.metrics, self._cond, self._reading,
+                             self.keyring)
         self.loads = Loads(self)
         write_back = any(t.write_back for t in self.tiers)
         # Freeing ahead of need only pays when freeing means a write (write-back).
@@ -114,7 +123,7 @@ class TieredStore:
         for state in self.tiers:
             if state.tier.shared:
                 state.sharing = Sharing(state, self.instance, self._locked, self._reading,
-                                        self._swept)
+                                        self._swept, self.keyring, self._untrusted)
                 state.sharing.start()
         self._set_gauges()
 
@@ -180,12 +189,15 @@ class TieredStore:
             self._unlisted(state, exc)
             return 0
         state.learn_space(space)
+        usable = state.plausible_only(listed)
         if state.sharing is not None:  # others' chunks too; budgets are the sweeper's
             state.sharing.listed(started_ms)
-            room = sum(c.size for c in listed)
+            room = sum(c.size for c in usable)
         else:
             room = state.capacity - state.used
-        kept, left = newest_that_fit(listed, room)  # if the tier shrank, the oldest go
+        kept, left = newest_that_fit(usable, room)  # if the tier shrank, the oldest go
+        if state.sharing is None:  # this node's own files that no slot here can take
+            left += [c for c in listed if not state.plausible(c.size)]
         with self._locked("rebuild"):
             for chunk in left:
                 self.writes.delete_later(state, chunk.key, chunk.namespace)
@@ -452,6 +464,9 @@ class TieredStore:
         self.expire()
         self._housekeeper.run()
         self._set_gauges()
+
+    def _untrusted(self, tier: str, what: str, count: int) -> None:
+        self.metrics.untrusted.labels(tier, what).inc(count)
 
     def _swept(self, tier: str, chunks: int, nbytes: int) -> None:
         self.metrics.evictions.labels(tier, "sweep").inc(chunks)

@@ -107,7 +107,7 @@ class Housekeeper:
 
         def run(_job: Job) -> None:
             try:
-                listed = list(state.tier.scan())
+                listed = state.plausible_only(state.tier.scan())
             except TierError as exc:
                 log.warning("tier %s: listing it again failed: %s", state.name, exc)
                 with self.locked("rescan"):

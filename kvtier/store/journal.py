@@ -16,11 +16,18 @@ runs ahead cannot move every reader's listing into the future. A note is seen on
 fetched and applied: one that failed to fetch is fetched again by the next poll. Notes older
 than ``journal_keep_s`` are deleted by the sweeping server; a reader that fell further behind
 than that lists the whole tier again instead.
+
+Notes are written by other servers, so they are untrusted input (docs/security.md): a reader
+checks a note's size before fetching it (``MAX_NOTE_BYTES``), decodes and validates it
+outside the store lock, drops records that do not parse or whose size cannot be a chunk of
+its tier's slot geometry (:func:`plausible`), and with a cluster secret applies only notes
+signed with it (:mod:`kvtier.auth`). A note holds at most ``MAX_RECORDS`` records.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -29,6 +36,9 @@ from kvtier.keys import ChunkKey
 
 PREFIX = "journal/"
 SKEW_S = 30.0
+MAX_RECORDS = 4096
+"""Records one note holds at most (a writer batches at most this many; a reader drops a
+note with more whole)."""
 _NAME = re.compile(r"journal/(\d{13})-([0-9a-f]{1,32})-(\d{1,9})")
 OPS = ("+", "-", "t")
 
@@ -60,18 +70,34 @@ def encode(records: list[Record]) -> bytes:
     return msgspec.msgpack.encode([[r.op, r.namespace, r.key, r.size] for r in records])
 
 
-def decode(data: bytes) -> list[Record]:
-    """The records of a note; malformed entries are skipped (a note is advice, never
-    trusted for bytes: every chunk read is verified)."""
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    records: list[Record]
+    dropped: int
+    """Entries left out: malformed, or a put whose size is not ``plausible``."""
+
+
+_RawRecord = tuple[str, bytes, bytes, int]
+
+
+def decode(data: bytes, plausible: Callable[[int], bool] = lambda _size: True) -> Decoded:
+    """The records of a note; malformed entries and puts whose size fails ``plausible`` are
+    dropped and counted. A note that does not decode, or holds more than MAX_RECORDS
+    entries, is dropped whole (a note is advice, never trusted for bytes: every chunk read
+    is verified)."""
     try:
-        raw = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
-        return []
+        raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return Decoded([], 1)
+    if len(raw) > MAX_RECORDS:
+        return Decoded([], len(raw))
     out: list[Record] = []
-    for item in raw if isinstance(raw, list) else []:
-        if (isinstance(item, list) and len(item) == 4 and item[0] in OPS
-                and isinstance(item[1], bytes) and len(item[1]) == 32
-                and isinstance(item[2], bytes) and len(item[2]) == 32
-                and isinstance(item[3], int) and item[3] >= 0):
-            out.append(Record(item[0], item[1], ChunkKey(item[2]), item[3]))
-    return out
+    for item in raw:
+        try:
+            op, namespace, key, size = msgspec.msgpack.decode(item, type=_RawRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if (op in OPS and len(namespace) == 32 and len(key) == 32 and size >= 0
+                and (op != "+" or plausible(size))):
+            out.append(Record(op, namespace, ChunkKey(key), size))
+    return Decoded(out, len(raw) - len(out))

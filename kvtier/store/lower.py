@@ -18,9 +18,10 @@ the change is logged once (not once per chunk).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
+from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
@@ -36,6 +37,7 @@ from kvtier.store.estimate import ReadEstimate
 from kvtier.store.events import REMOVED, STORED, EventLog
 from kvtier.store.iopool import IOPool
 from kvtier.tiers import TIERS, LowerTier, Space
+from kvtier.tiers.base import StoredChunk
 
 if TYPE_CHECKING:
     from kvtier.store.sharing import Sharing
@@ -61,6 +63,9 @@ class LowerTierState:
         self.fits_slot = self.tier.footprint(chunk_bytes_hint)
         """The largest size in the books of a chunk an arena slot (``chunk_bytes_hint``) can
         take; a larger one was written by a server with bigger slots."""
+        self.smallest = self.tier.footprint(HEADER_SIZE + PAGE)
+        self.implausible = 0
+        """Chunks a listing found with a size no chunk here can have (left out)."""
         self.write_back = config.write_policy == "back"
         entries = max(1, self.capacity // max(1, chunk_bytes_hint))
         self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, entries)
@@ -87,6 +92,30 @@ class LowerTierState:
 
     def __contains__(self, key: object) -> bool:
         return key in self.sizes
+
+    def plausible(self, size: int) -> bool:
+        """Whether a chunk of ``size`` bytes (a listing's size, a peer's journal record)
+        can be one this server uses: a header and a page at least, at most what a slot here
+        takes. Anything else stays out of the books: a larger chunk is a miss here anyway,
+        and a forged size must not make this server evict everything to make room."""
+        return self.smallest <= size <= self.fits_slot
+
+    def plausible_only(self, chunks: Iterable[StoredChunk]) -> list[StoredChunk]:
+        """The chunks of a listing that are ``plausible``; the others are counted (and the
+        first time, logged)."""
+        kept: list[StoredChunk] = []
+        left = 0
+        for chunk in chunks:
+            if self.plausible(chunk.size):
+                kept.append(chunk)
+            else:
+                left += 1
+        if left and not self.implausible:
+            log.warning("tier %s: %d chunks listed with sizes no chunk here can have (not "
+                        "%d to %d bytes) are left out of the books", self.name, left,
+                        self.smallest, self.fits_slot)
+        self.implausible += left
+        return kept
 
     @property
     def available(self) -> bool:

@@ -21,8 +21,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from kvtier.auth import Keyring
 from kvtier.codec import stored_size, verify
-from kvtier.errors import ChunkTooLarge, CorruptChunkError, TierError
+from kvtier.errors import ChunkTooLarge, CorruptChunkError, TierError, UnauthenticatedChunk
 from kvtier.keys import ChunkKey
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.iopool import Job
@@ -41,8 +42,13 @@ log = logging.getLogger("kvtier.store")
 
 class Promotions:
     def __init__(self, index: ArenaIndex, leases: LeaseTable, metrics: StoreMetrics,
-                 cond: threading.Condition, clock: Callable[[], float]) -> None:
+                 cond: threading.Condition, clock: Callable[[], float],
+                 keyring: Keyring | None = None) -> None:
         self.index = index
+        self.keyring = keyring
+        """Checks the MAC of every chunk read from a shared tier (docs/security.md)."""
+        self._forged: set[str] = set()
+        """Tiers that served a chunk failing its MAC (logged once per tier)."""
         self.leases = leases
         self.metrics = metrics
         self.cond = cond
@@ -77,11 +83,16 @@ class Promotions:
         try:
             n = state.tier.read_into(entry.key, view, namespace=namespace)
             if n is not None:
-                header = verify(view[:n], entry.key, namespace or None)
+                keyring = self.keyring if state.tier.shared else None
+                header = verify(view[:n], entry.key, namespace or None, keyring)
         except ChunkTooLarge as exc:  # written by a server with bigger slots: a plain miss
             too_large = True
             log.debug("chunk %s on %s does not fit a slot here: %s", entry.key.hex()[:16],
                       state.name, exc)
+        except UnauthenticatedChunk as exc:
+            corrupt, error = True, str(exc)
+            self._unauthenticated(state, exc)
+            self._quarantine(state, entry.key, namespace)
         except CorruptChunkError as exc:
             corrupt, error = True, str(exc)
             self._quarantine(state, entry.key, namespace)
@@ -93,7 +104,10 @@ class Promotions:
         finally:
             view.release()
         elapsed = time.perf_counter() - start
-        if corrupt:
+        if corrupt and state.name in self._forged:
+            log.debug("chunk %s on %s failed its MAC: %s", entry.key.hex()[:16], state.name,
+                      error)
+        elif corrupt:
             log.warning("chunk %s on %s is corrupt (%s): quarantined", entry.key.hex()[:16],
                         state.name, error)
         elif error:
@@ -102,6 +116,16 @@ class Promotions:
             if not job.late:
                 state.breaker.record(not error or corrupt, elapsed, error)
             self._done(entry, state, header, corrupt, error, elapsed, too_large=too_large)
+
+    def _unauthenticated(self, state: LowerTierState, exc: UnauthenticatedChunk) -> None:
+        """Count a chunk that failed its MAC; say so once per tier (a peer without the
+        secret may write many), then only count."""
+        self.metrics.untrusted.labels(state.name, "chunk_mac").inc()
+        if state.name not in self._forged:
+            log.warning("tier %s: a chunk failed its MAC (%s): another writer of the tier "
+                        "lacks the cluster secret or forged it; such chunks are misses, "
+                        "quarantined and counted (kvtier_untrusted_total{what=\"chunk_mac\"})",
+                        state.name, exc)
 
     def _quarantine(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
         try:

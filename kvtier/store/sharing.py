@@ -18,7 +18,13 @@ budgets, old journal notes, temporary objects of killed writers.
 A thread per shared tier keeps the time; every I/O runs as a job on the tier's pool (bounded
 by ``io_timeout_s``, counted by the breaker) or, for the long sweep, on a pool of its own.
 Journal I/O is skipped while the breaker is open; a server that fell further behind than
-``journal_keep_s`` lists the tier again.
+``journal_keep_s`` lists the tier again. A job that runs past its pool's timeout (a hung
+mount) no longer holds its kind: the next one starts on a spare worker.
+
+What the other servers wrote is untrusted input (docs/security.md): a note is size-checked
+before it is fetched, opened (with a cluster secret: its MAC checked), decoded and validated
+outside the store lock, and applied in batches of ``APPLY_BATCH`` records, so no note holds
+the lock for long; what fails is dropped and counted (``kvtier_untrusted_total``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from collections.abc import Callable, Hashable
 import msgspec
 
 from kvtier import __version__
-from kvtier.errors import TierError
+from kvtier.auth import Keyring
+from kvtier.errors import NoteTooLarge, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
 from kvtier.store.housekeeping import Locked
@@ -43,7 +50,7 @@ from kvtier.store.iopool import IOPool, Job
 from kvtier.store.lower import LowerTierState
 from kvtier.store.sweeper import HEARTBEAT_S, SERVERS, sweep, sweeper_of
 from kvtier.tiers.base import StoredChunk
-from kvtier.tiers.shared import SharedTier
+from kvtier.tiers.shared import MAX_LISTED_NOTES, SharedTier
 
 log = logging.getLogger("kvtier.store")
 MAX_OUTBOX = 100_000
@@ -51,13 +58,27 @@ MAX_TOUCHED = 100_000
 MAX_TO_TOUCH = 10_000
 """Touches waiting for the backend; past this the oldest are dropped (best effort)."""
 TOUCH_BATCH = 256
+APPLY_BATCH = 256
+"""Records applied per hold of the store lock."""
+MAX_PAGES = 10
+"""Listing pages one poll reads at most (each at most MAX_LISTED_NOTES names)."""
+
+Untrusted = Callable[[str, str, int], None]
+"""Told (tier, what, count) of untrusted input dropped."""
 
 
 class Sharing:
     def __init__(self, state: LowerTierState, server: str, locked: Locked,
                  reading: Callable[[LowerTierState, Hashable], bool],
-                 on_sweep: Callable[[str, int, int], None] = lambda _t, _n, _b: None) -> None:
+                 on_sweep: Callable[[str, int, int], None] = lambda _t, _n, _b: None,
+                 keyring: Keyring | None = None,
+                 untrusted: Untrusted = lambda _t, _w, _n: None) -> None:
         assert isinstance(state.tier, SharedTier)
+        self.keyring = keyring
+        self.untrusted = untrusted
+        self.rejected: dict[str, int] = {}
+        """Untrusted input dropped so far, by what it was."""
+        self._warned: set[str] = set()
         self.state = state
         self.tier: SharedTier = state.tier
         self.opts = state.tier.sharing
@@ -74,7 +95,10 @@ class Sharing:
         self._to_touch: deque[tuple[ChunkKey, bytes]] = deque()
         self.touches_dropped = 0
         """Backend touches given up (the queue was full, or the tier failed a touch)."""
-        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
+        self._busy: dict[str, object] = {}
+        """The job now holding each kind (a late job's token is replaced, so its ending
+        does not free the kind from under its successor)."""
         self._due: dict[str, float] = {"sweep": time.monotonic() + self.opts.sweep_interval_s}
         """When each kind of job is next due (the first sweep waits one interval)."""
         self._sweeps = IOPool(f"{state.name}-sweep", 1,
@@ -136,7 +160,7 @@ class Sharing:
             self.dropped += 1
 
     def apply(self, records: list[journal.Record]) -> None:
-        """Another server's records (lock held)."""
+        """Another server's records, already validated (lock held; at most APPLY_BATCH)."""
         state = self.state
         for r in records:
             if r.op == "+":
@@ -161,6 +185,7 @@ class Sharing:
 
     def run(self) -> None:
         """Start whatever is due (each kind of job runs one at a time)."""
+        self._sweep_overdue()
         if not self.state.available:
             return
         now = time.monotonic()
@@ -170,20 +195,44 @@ class Sharing:
         self._start("heartbeat", now, HEARTBEAT_S, self._heartbeat)
         if self._to_touch:
             self._start("touch", now, self.opts.journal_interval_s, self._touch)
-        if "sweep" not in self._busy and now >= self._due.get("sweep", 0.0):
-            self._due["sweep"] = now + self.opts.sweep_interval_s
-            self._busy.add("sweep")
-            self._sweeps.submit(self._job("sweep", self._sweep),
-                                on_abandon=lambda: self._busy.discard("sweep"))
+        self._start("sweep", now, self.opts.sweep_interval_s, self._sweep, self._sweeps)
 
-    def _start(self, kind: str, now: float, every: float, fn: Callable[[], None]) -> None:
-        if kind in self._busy or now < self._due.get(kind, 0.0):
-            return
-        self._due[kind] = now + every
-        self._busy.add(kind)
-        self.state.pool.submit(self._job(kind, fn), on_abandon=lambda: self._busy.discard(kind))
+    def _start(self, kind: str, now: float, every: float, fn: Callable[[], None],
+               pool: IOPool | None = None) -> None:
+        token = object()
+        with self._busy_lock:
+            if kind in self._busy or now < self._due.get(kind, 0.0):
+                return
+            self._due[kind] = now + every
+            self._busy[kind] = token
+        (pool or self.state.pool).submit(self._job(kind, fn, token),
+                                         on_abandon=lambda: self._free(kind, token),
+                                         on_late=lambda: self._late(kind, token))
 
-    def _job(self, kind: str, fn: Callable[[], None]) -> Callable[[Job], None]:
+    def _free(self, kind: str, token: object) -> None:
+        with self._busy_lock:
+            if self._busy.get(kind) is token:
+                del self._busy[kind]
+
+    def _late(self, kind: str, token: object) -> None:
+        """A job past its pool's timeout: the next of its kind may start (the late one's
+        result, if it ever comes, is still used)."""
+        self._free(kind, token)
+        log.warning("tier %s: a %s job ran past its timeout; the next one starts without "
+                    "it", self.state.name, kind)
+
+    def _sweep_overdue(self) -> None:
+        """The sweep pool has no housekeeper of its own: flag its late jobs here."""
+        abandoned, late = self._sweeps.overdue()
+        for job in abandoned:
+            if job.on_abandon is not None:
+                job.on_abandon()
+        for job in late:
+            if job.on_late is not None:
+                job.on_late()
+
+    def _job(self, kind: str, fn: Callable[[], None], token: object
+             ) -> Callable[[Job], None]:
         def run(_job: Job) -> None:
             start = time.perf_counter()
             error = ""
@@ -193,11 +242,20 @@ class Sharing:
                 error = str(exc)
                 log.debug("%s on tier %s failed: %s", kind, self.state.name, exc)
             finally:
-                self._busy.discard(kind)
+                self._free(kind, token)
             if kind not in ("sweep", "touch"):  # touches are counted one by one
                 with self.locked("sharing"):
                     self.state.breaker.record(not error, time.perf_counter() - start, error)
         return run
+
+    def _reject(self, what: str, count: int, why: str) -> None:
+        """Count untrusted input dropped; log the first of each kind (not every one)."""
+        self.rejected[what] = self.rejected.get(what, 0) + count
+        self.untrusted(self.state.name, what, count)
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("tier %s: %s (dropped; counted in kvtier_untrusted_total"
+                        "{what=\"%s\"}, not logged again)", self.state.name, why, what)
 
     # ------------------------------------------------------------------ jobs (I/O threads)
 
@@ -206,9 +264,9 @@ class Sharing:
             records, self.outbox = self.outbox[:4096], self.outbox[4096:]
         if not records:
             return
+        name = journal.note_name(int(time.time() * 1000), self.server, next(self._seq))
         try:
-            self.tier.put_note(journal.note_name(int(time.time() * 1000), self.server,
-                                                 next(self._seq)), journal.encode(records))
+            self.tier.put_note(name, self._sign(name, journal.encode(records)))
         except TierError:
             with self.locked("sharing"):
                 self.outbox[:0] = records  # tried again next time (the tier may be back)
@@ -221,28 +279,67 @@ class Sharing:
             log.warning("tier %s: %d journal records not published at close: %s",
                         self.state.name, len(self.outbox), exc)
 
+    def _sign(self, name: str, data: bytes) -> bytes:
+        return data if self.keyring is None else self.keyring.sign_note(name, data)
+
     def _poll(self) -> None:
         now_ms = int(time.time() * 1000)
         if self._cursor_ms < now_ms - int(self.opts.journal_keep_s * 900):
             self._relist(now_ms)
             return
-        names = self.tier.list_notes(journal.PREFIX,
-                                     journal.start_after(self._cursor_ms
-                                                         - int(journal.SKEW_S * 1000)))
-        for name in names:
-            parsed = journal.parse_name(name)
-            if parsed is None or name in self._seen:
-                continue
-            ms, server = parsed
-            if server != self.server:  # a TierError here leaves the note to the next poll
-                data = self.tier.get_note(name)
-                if data is not None:  # None: deleted (swept) meanwhile
-                    with self.locked("journal"):
-                        self.apply(journal.decode(data))
-            self._seen[name] = ms
-            self._advance(ms, now_ms)
+        start = journal.start_after(self._cursor_ms - int(journal.SKEW_S * 1000))
+        for _page in range(MAX_PAGES):
+            names = self.tier.list_notes(journal.PREFIX, start)
+            for name in names:
+                self._read_note(name, now_ms)
+            if len(names) < MAX_LISTED_NOTES:
+                break
+            start = names[-1]
         floor = self._cursor_ms - 2 * int(journal.SKEW_S * 1000)
         self._seen = {n: ms for n, ms in self._seen.items() if ms >= floor}
+
+    def _read_note(self, name: str, now_ms: int) -> None:
+        """Fetch, check and apply one note (a TierError leaves it to the next poll)."""
+        parsed = journal.parse_name(name)
+        if parsed is None or name in self._seen:
+            return
+        ms, server = parsed
+        if ms > now_ms + int(self.opts.max_clock_skew_s * 1000):
+            self._reject("note_future", 1, f"journal note {name} is dated "
+                         f"{(ms - now_ms) / 1000:.0f} s ahead of this server's clock")
+            self._seen[name] = ms
+            return
+        if server != self.server:
+            records = self._fetch(name)
+            for at in range(0, len(records), APPLY_BATCH):
+                with self.locked("journal"):
+                    self.apply(records[at:at + APPLY_BATCH])
+        self._seen[name] = ms
+        self._advance(ms, now_ms)
+
+    def _fetch(self, name: str) -> list[journal.Record]:
+        """A peer's note, opened and validated outside the lock; [] for one deleted
+        meanwhile (swept) or dropped as untrusted."""
+        try:
+            data = self.tier.get_note(name)
+        except NoteTooLarge as exc:
+            self._reject("note_too_large", 1, str(exc))
+            return []
+        if data is None:
+            return []
+        if self.keyring is not None:
+            opened = self.keyring.open_note(name, data)
+            if opened is None:
+                self._reject("note_unsigned", 1, f"journal note {name} is not signed with "
+                             f"an accepted cluster secret")
+                return []
+            data = opened
+        decoded = journal.decode(data, self.state.plausible)
+        if decoded.dropped:
+            self._reject("journal_record", decoded.dropped,
+                         f"journal note {name} holds {decoded.dropped} records that do not "
+                         f"parse or name a size no chunk here can have")
+        return decoded.records
 
     def _advance(self, ms: int, now_ms: int) -> None:
         """Move the cursor to a note applied, never past this server's clock: a note dated
@@ -256,22 +353,28 @@ class Sharing:
 
     def _relist(self, now_ms: int) -> None:
         """Too far behind the journal: make the books match a fresh listing."""
-        found = sorted(self.tier.scan(), key=lambda c: c.mtime)
-        listed = {c.key for c in found}
         state = self.state
+        found = sorted(state.plausible_only(self.tier.scan()), key=lambda c: c.mtime)
+        listed = {c.key for c in found}
         with self.locked("journal"):
-            for key in [k for k in state.sizes if k not in listed]:
-                state.forget(key)
-            for chunk in found:
-                if chunk.key not in state and chunk.key not in state.deleting:
-                    state.index(chunk.key, chunk.size, 35, chunk.namespace)
+            gone = [k for k in state.sizes if k not in listed]
+        for at in range(0, len(gone), APPLY_BATCH):
+            with self.locked("journal"):
+                for key in gone[at:at + APPLY_BATCH]:
+                    state.forget(key)
+        for at in range(0, len(found), APPLY_BATCH):
+            with self.locked("journal"):
+                for chunk in found[at:at + APPLY_BATCH]:
+                    if chunk.key not in state and chunk.key not in state.deleting:
+                        state.index(chunk.key, chunk.size, 35, chunk.namespace)
         self._cursor_ms = now_ms
         log.info("tier %s: books rebuilt from a listing (%d chunks)", state.name, len(found))
 
     def _heartbeat(self) -> None:
         beat = {"t": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
                 "version": __version__}
-        self.tier.put_note(f"{SERVERS}{self.server}", msgspec.msgpack.encode(beat))
+        name = f"{SERVERS}{self.server}"
+        self.tier.put_note(name, self._sign(name, msgspec.msgpack.encode(beat)))
 
     def _touch(self) -> None:
         """Refresh a batch of hits' recency in the backend, each touch one operation for the
@@ -294,11 +397,12 @@ class Sharing:
 
     def _sweep(self) -> None:
         now = time.time()
-        if sweeper_of(self.tier, now) != self.server:
+        if sweeper_of(self.tier, now, self.keyring, self.opts.max_clock_skew_s) != self.server:
             return
         report = sweep(self.tier, self.state.configured,
                        keep=lambda key: self.reading(self.state, key),
-                       deleted=self._swept, now=now)
+                       deleted=self._swept, now=now, plausible=self.state.plausible,
+                       keyring=self.keyring)
         if report.deleted:
             log.info("tier %s: swept %d chunks (%d bytes) to keep namespace budgets",
                      self.state.name, len(report.deleted), report.deleted_bytes)

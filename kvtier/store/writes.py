@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+from kvtier.auth import Keyring
 from kvtier.codec import seal, stored_size
 from kvtier.errors import TierError, TierFull
 from kvtier.keys import ChunkKey
@@ -41,9 +42,11 @@ DELETE_TRIES = 3
 
 class Writes:
     def __init__(self, index: ArenaIndex, tiers: list[LowerTierState], metrics: StoreMetrics,
-                 cond: threading.Condition, reading: Callable[[LowerTierState, Hashable], bool]
-                 ) -> None:
+                 cond: threading.Condition, reading: Callable[[LowerTierState, Hashable], bool],
+                 keyring: Keyring | None = None) -> None:
         self.index = index
+        self.keyring = keyring if any(s.tier.shared for s in tiers) else None
+        """Signs every chunk sealed here when a shared tier may receive it."""
         self.tiers = tiers
         self.metrics = metrics
         self.cond = cond
@@ -158,7 +161,7 @@ class Writes:
                 return True
             try:
                 seal(view, entry.namespace_fp, entry.key, entry.tokens, entry.payload_len,
-                     entry.priority)
+                     entry.priority, self.keyring)
             except Exception:  # a bad field must fail this write, not strand the entry
                 log.exception("cannot seal chunk %s", entry.key.hex()[:16])
                 return False

@@ -78,13 +78,16 @@ class SharingOptions(ConfigStruct, frozen=True):
     """Journal notes older than this are deleted; a server further behind rescans."""
     stale_temp_s: float = 600.0
     """Temporary objects of writes older than this were left by killed writers."""
+    max_clock_skew_s: float = 30.0
+    """Heartbeats and notes dated further than this ahead of this server's clock are
+    ignored (a wrong or forged clock must not win the sweeper election) and swept."""
 
     def __post_init__(self) -> None:
         if self.namespace_bytes is not None:
             msgspec.structs.force_setattr(self, "namespace_bytes",
                                           parse_size(self.namespace_bytes, "namespace_bytes"))
         for name in ("journal_interval_s", "poll_s", "touch_interval_s", "sweep_interval_s",
-                     "journal_keep_s", "stale_temp_s"):
+                     "journal_keep_s", "stale_temp_s", "max_clock_skew_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.journal_keep_s < 10 * self.poll_s:
