@@ -4,6 +4,13 @@ A chunk is written under a unique temporary name, flushed and renamed into place
 sees either no file or a whole one, and two writers of one key (two servers on a shared mount)
 never write into the same file. Reads and writes bypass the page cache with O_DIRECT where
 the filesystem allows it and the buffer is page aligned (arena slots are).
+
+Below the tier's root (the configuration's, trusted) every entry may have been made by
+another writer of the folder, so nothing is taken on trust (docs/shared.md, "Hostile
+entries"): each path is walked one folder at a time with ``O_NOFOLLOW`` (a link in place of a
+folder is not ours, and its target is never listed, opened or deleted); files are opened with
+``O_NONBLOCK`` (a FIFO would block ``open`` forever) and kept only when ``fstat`` says they are
+regular; sizes are checked before anything is read.
 """
 
 from __future__ import annotations
@@ -11,13 +18,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
 import socket
-from collections.abc import Iterator
+import stat
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -26,8 +36,16 @@ from kvtier.config import ConfigStruct
 from kvtier.errors import ChunkTooLarge, ConfigError, TierFull, TierIOError
 from kvtier.tiers.base import Space
 
+log = logging.getLogger(__name__)
+
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+ENTRY_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NOT_A_FOLDER = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+"""A part of a path that is missing, a file or a link: nothing of ours is there."""
+_NOT_A_FILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.EISDIR})
+"""Missing, a link (ELOOP under O_NOFOLLOW), a socket or device without a driver (ENXIO)."""
 
 
 class FileOptions(ConfigStruct, frozen=True):
@@ -85,65 +103,281 @@ def temp_name(stem: str, token: str) -> str:
     return f"{stem}.{host}.{os.getpid()}.{token}{secrets.token_hex(4)}.tmp"
 
 
+# ---------------------------------------------------------------------- walking without links
+
+
+def open_folder_at(dir_fd: int, name: str, *, create: bool = False) -> int | None:
+    """The folder ``name`` in ``dir_fd``, opened without following a link; ``None`` where
+    it is missing, a link or no folder. ``create`` makes a missing one, and raises ENOTDIR
+    where something else holds its name (writes fail rather than go through it)."""
+    try:
+        return os.open(name, FOLDER_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            return None
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+        return os.open(name, FOLDER_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in _NOT_A_FOLDER:
+            raise
+        if create:
+            raise OSError(errno.ENOTDIR, "a link or a file holds the name of a folder",
+                          name) from exc
+        return None
+
+
+def open_folder(root: str, parts: Sequence[str]) -> int | None:
+    """``root/parts[0]/...`` as a folder fd, each part opened by :func:`open_folder_at`;
+    ``None`` where one is missing, a link or no folder. ``root`` is the configuration's (it
+    may be a link)."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    return _walk(fd, parts, create=False)
+
+
+def make_folder(root: str, parts: Sequence[str]) -> int:
+    """:func:`open_folder`, making what is missing (the root too); raises ENOTDIR where a
+    link or a file holds a folder's name."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    fd = _walk(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parts, create=True)
+    if fd is None:  # open_folder_at(create=True) raises instead
+        raise OSError(errno.ENOTDIR, "not a folder", os.path.join(root, *parts))
+    return fd
+
+
+def _walk(fd: int, parts: Sequence[str], *, create: bool) -> int | None:
+    """Open ``parts`` one below the other from the folder ``fd`` (which it closes)."""
+    try:
+        for part in parts:
+            inner = open_folder_at(fd, part, create=create)
+            os.close(fd)
+            fd = -1
+            if inner is None:
+                return None
+            fd = inner
+        opened, fd = fd, -1
+        return opened
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def open_file_at(dir_fd: int, name: str) -> tuple[int, os.stat_result] | None:
+    """``name`` in ``dir_fd`` opened for reading, with its fstat, if it is a regular file;
+    ``None`` for anything else (missing, a link, a FIFO, a socket, a device, a folder). The
+    descriptor is still O_NONBLOCK: :func:`set_read_mode` before reading."""
+    try:
+        fd = os.open(name, ENTRY_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in _NOT_A_FILE:
+            return None
+        raise
+    try:
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        return None
+    return fd, info
+
+
+def open_file(root: str, parts: Sequence[str]) -> tuple[int, os.stat_result] | None:
+    """:func:`open_file_at` of ``root/parts...``, its folders walked without links."""
+    folder = open_folder(root, parts[:-1])
+    if folder is None:
+        return None
+    try:
+        return open_file_at(folder, parts[-1])
+    finally:
+        os.close(folder)
+
+
+def set_read_mode(fd: int, direct: bool) -> bool:
+    """Drop O_NONBLOCK (some network filesystems heed it) and set O_DIRECT if asked and the
+    file allows it; returns whether O_DIRECT is on."""
+    if direct:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, O_DIRECT)
+            return True
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED:
+                raise
+    fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+    return False
+
+
+def unlink_at(dir_fd: int, name: str) -> bool:
+    """Remove the entry itself (a link, never what it points to); ``False`` when it is
+    missing or a folder (never removed, let alone recursively)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except (FileNotFoundError, IsADirectoryError):
+        return False
+    return True
+
+
+def unlink(root: str, parts: Sequence[str]) -> bool:
+    """:func:`unlink_at` of ``root/parts...``, its folders walked without links."""
+    folder = open_folder(root, parts[:-1])
+    if folder is None:
+        return False
+    try:
+        return unlink_at(folder, parts[-1])
+    finally:
+        os.close(folder)
+
+
+def touch(root: str, parts: Sequence[str]) -> None:
+    """Set the entry's mtime to now (a link's own, never its target's); missing: nothing."""
+    folder = open_folder(root, parts[:-1])
+    if folder is None:
+        return
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(parts[-1], dir_fd=folder, follow_symlinks=False)
+    finally:
+        os.close(folder)
+
+
+class Entry(NamedTuple):
+    """One entry of a folder, typed without following a link."""
+
+    name: str
+    kind: Literal["file", "folder", "other"]
+    """``file``: a regular file; ``other``: a link, a FIFO, a socket, a device."""
+    info: os.stat_result | None
+    """Its own lstat, for files and others when asked."""
+
+
+def entries_at(dir_fd: int, *, with_stat: bool = False) -> Iterator[Entry]:
+    """The entries of the folder ``dir_fd`` (which must stay open while this runs);
+    entries that vanish meanwhile are left out."""
+    with os.scandir(dir_fd) as listing:
+        for entry in listing:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    yield Entry(entry.name, "folder", None)
+                    continue
+                kind: Literal["file", "other"] = (
+                    "file" if entry.is_file(follow_symlinks=False) else "other")
+                info = entry.stat(follow_symlinks=False) if with_stat else None
+            except FileNotFoundError:
+                continue
+            yield Entry(entry.name, kind, info)
+
+
+def entries(root: str, parts: Sequence[str], *, with_stat: bool = False) -> Iterator[Entry]:
+    """:func:`entries_at` of ``root/parts...``; none where that is not a folder of ours."""
+    folder = open_folder(root, parts)
+    if folder is None:
+        return
+    try:
+        yield from entries_at(folder, with_stat=with_stat)
+    finally:
+        os.close(folder)
+
+
+class Skipped:
+    """Entries a listing passed over: of the wrong type, or a name that does not parse.
+
+    Counted (``total``) and logged when the number one listing finds changes, not per entry
+    nor per listing: a stray file lying there for a week is one line, not ten thousand."""
+
+    _MAX_PLACES = 4096
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.total = 0
+        self._last: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def report(self, where: str, count: int, example: str = "") -> None:
+        with self._lock:
+            self.total += count
+            if len(self._last) >= self._MAX_PLACES:
+                self._last.clear()
+            changed = self._last.get(where, 0) != count
+            self._last[where] = count
+        if changed and count:
+            log.warning("%s tier: skipped %d entries in %s that are not what belongs there "
+                        "(a link, a FIFO, a folder or file in the other's place, or a name "
+                        "that does not parse), e.g. %.80r", self.tier, count, where, example)
+
+
+# ---------------------------------------------------------------------- chunk files
+
+
 @dataclass(frozen=True)
 class FileIO:
     o_direct: bool
     fsync: bool
     dir_fsync: bool = False
 
-    def write_atomic(self, final: str, tmp: str, view: memoryview) -> int:
-        """Write ``view`` to ``tmp``, flush, rename to ``final``; folders made on demand."""
+    def write_atomic(self, root: str, final: Sequence[str], tmp: Sequence[str],
+                     view: memoryview) -> int:
+        """Write ``view`` to ``root/tmp...``, flush, rename to ``root/final...``; folders are
+        made on demand, none is walked through a link."""
+        tmp_dir = make_folder(root, tmp[:-1])
         try:
+            self._write(tmp_dir, tmp[-1], view)
             try:
-                self._write(tmp, view)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
-                self._write(tmp, view)
-            try:
-                os.replace(tmp, final)
-            except FileNotFoundError:  # first file in this shard: make it, try once more
-                os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-                os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        if self.dir_fsync:
-            fsync_dir(os.path.dirname(final))
+                final_dir = make_folder(root, final[:-1])
+                try:
+                    os.replace(tmp[-1], final[-1], src_dir_fd=tmp_dir, dst_dir_fd=final_dir)
+                    if self.dir_fsync:
+                        os.fsync(final_dir)
+                finally:
+                    os.close(final_dir)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp[-1], dir_fd=tmp_dir)
+                raise
+        finally:
+            os.close(tmp_dir)
         return len(view)
 
-    def _write(self, path: str, view: memoryview) -> None:
+    def _write(self, dir_fd: int, name: str, view: memoryview) -> None:
         direct = self.o_direct and page_aligned(view) and len(view) % codec.PAGE == 0
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
-        fd = os.open(path, flags, 0o600)  # KV can reveal prompts: owner only
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                 | (O_DIRECT if direct else 0))
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)  # KV can reveal prompts: owner only
         try:
             done = 0
             while done < len(view):
                 written = os.write(fd, view[done:])
                 if written == 0:
-                    raise OSError(errno.EIO, "write made no progress", path)
+                    raise OSError(errno.EIO, "write made no progress", name)
                 done += written
             if self.fsync:
                 os.fdatasync(fd)  # flushes the size too, which is all a reader needs
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            raise
         finally:
             os.close(fd)
 
-    def read_into(self, path: str, view: memoryview) -> int | None:
-        """Read the file at ``path`` into the start of ``view``; ``None`` if it is absent.
-        Raises ChunkTooLarge when it does not fit."""
-        direct = self.o_direct and page_aligned(view)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
-        except FileNotFoundError:
+    def read_into(self, root: str, parts: Sequence[str], view: memoryview) -> int | None:
+        """Read the regular file ``root/parts...`` into the start of ``view``; ``None`` if
+        there is none (or something else in its place). Raises ChunkTooLarge, from its size
+        and before reading, when it does not fit."""
+        opened = open_file(root, parts)
+        if opened is None:
             return None
+        fd, info = opened
         try:
-            size = os.fstat(fd).st_size
-            if size > len(view):
-                raise ChunkTooLarge(f"chunk file {os.path.basename(path)} has {size} bytes, "
+            if info.st_size > len(view):
+                raise ChunkTooLarge(f"chunk file {parts[-1]} has {info.st_size} bytes, "
                                     f"more than the {len(view)} given")
-            if direct and size % codec.PAGE:  # O_DIRECT reads whole pages only
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
-            return read_fully(fd, view[:size])
+            # O_DIRECT reads whole pages only
+            direct = self.o_direct and page_aligned(view) and info.st_size % codec.PAGE == 0
+            set_read_mode(fd, direct)
+            return read_fully(fd, view[: info.st_size])
         finally:
             os.close(fd)
 
@@ -184,18 +418,11 @@ def page_aligned(view: memoryview) -> bool:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) % codec.PAGE == 0
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def listdir(path: str) -> list[os.DirEntry[str]]:
-    """Entries of ``path``; an absent folder has none."""
+    """Entries of ``path``; an absent folder has none. Follows links on the way: for
+    trusted folders only (hostile ones: :func:`entries`)."""
     try:
-        with os.scandir(path) as entries:
-            return list(entries)
+        with os.scandir(path) as found:
+            return list(found)
     except FileNotFoundError:
         return []

@@ -7,7 +7,8 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,66 @@ def test_a_full_disk_raises_tier_full_and_leaves_nothing_behind(tmp_path: Path) 
         assert [c.key for c in tier.scan()] == [small]
         tier.write(big, sealed_chunk(big, 32 * codec.PAGE))  # space freed: usable again
         tier.close()
+
+
+# ---------------------------------------------------------------------- hostile entries
+
+
+def _within(call: Callable[[], object], fifo: Path, seconds: float = 5.0) -> object:
+    """``call()``'s result, failing (not hanging) when it blocks; opens the FIFO's writing
+    end afterwards so a stuck reader goes on."""
+    out: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: out.setdefault("value", call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"blocked for {seconds}s on the FIFO {fifo.name}")
+    return out.get("value")
+
+
+def test_a_fifo_chunk_is_a_miss_and_a_scan_moves_it_without_opening_it(tmp_path: Path) -> None:
+    tier = disk_tier(tmp_path / "disk")
+    good, fifo_key = key_of("good"), key_of("fifo")
+    tier.write(good, sealed_chunk(good))
+    fifo = chunk_file(tier, fifo_key.hex())
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    assert _within(lambda: tier.read_into(fifo_key, page_buffer(1 << 20),
+                                          namespace=NAMESPACE), fifo) is None
+    assert _within(lambda: [c.key for c in tier.scan()], fifo) == [good]
+    assert not fifo.exists() and tier.skipped_entries == 1
+    os.mkfifo(tmp_path / "disk" / "tmp" / "stuck.tmp")  # a FIFO among the temporaries
+    assert _within(lambda: [c.key for c in tier.scan()], fifo) == [good]
+    assert os.listdir(tmp_path / "disk" / "tmp") == []
+
+
+def test_linked_shards_and_temps_are_never_followed(tmp_path: Path) -> None:
+    tier = disk_tier(tmp_path / "disk")
+    good, victim = key_of("good"), key_of("elsewhere")
+    tier.write(good, sealed_chunk(good))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    planted = outside / victim.hex()[2:4] / f"{victim.hex()}.kvc"
+    planted.parent.mkdir()
+    shutil.copyfile(chunk_file(tier, good.hex()), planted)
+    (outside / "precious").write_bytes(b"not the tier's")
+    top = tmp_path / "disk" / "chunks" / victim.hex()[:2]
+    if top.exists():
+        pytest.skip("the two keys share a shard")
+    top.symlink_to(outside, target_is_directory=True)
+    (tmp_path / "disk" / "tmp" / "dead.host.2147483647.0a1b.tmp").symlink_to(
+        outside / "precious")
+
+    assert tier.read_into(victim, page_buffer(1 << 20), namespace=NAMESPACE) is None
+    tier.delete(victim, namespace=NAMESPACE)
+    tier.quarantine(victim, namespace=NAMESPACE)
+    assert [c.key for c in tier.scan()] == [good]
+    assert planted.exists() and (outside / "precious").read_bytes() == b"not the tier's"
+    assert not top.is_symlink(), "the link itself was moved to quarantine"
+    moved = os.listdir(tmp_path / "disk" / "quarantine")
+    assert len(moved) == 1 and (tmp_path / "disk" / "quarantine" / moved[0]).is_symlink()
+    assert os.listdir(tmp_path / "disk" / "tmp") == []
+    tier.write(victim, sealed_chunk(victim))  # a real shard folder now
+    assert read_back(tier, victim, 1 << 20) is not None and planted.exists()
