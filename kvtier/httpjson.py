@@ -44,8 +44,17 @@ def post_json(url: str, body: Mapping[str, Any], *, timeout_s: float = 300.0,
     return _json(url, request(url, body, timeout_s=timeout_s, headers=headers))
 
 
-def get_text(url: str, *, timeout_s: float = 10.0) -> str:
-    return request(url, timeout_s=timeout_s).decode(errors="replace")
+def get_text(url: str, *, timeout_s: float = 10.0,
+             headers: Mapping[str, str] | None = None) -> str:
+    return request(url, timeout_s=timeout_s, headers=headers).decode(errors="replace")
+
+
+def bearer(token: str | bytes | None) -> dict[str, str]:
+    """The ``Authorization`` header for ``token`` ({} without one)."""
+    if not token:
+        return {}
+    return {"Authorization": "Bearer " + (token.decode() if isinstance(token, bytes)
+                                          else token)}
 
 
 def _json(url: str, raw: bytes) -> Any:

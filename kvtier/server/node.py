@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from kvtier.auth import read_secrets
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError, ProtocolError
 from kvtier.metrics import StoreMetrics
@@ -39,6 +40,8 @@ from kvtier.tiers import arena
 log = logging.getLogger("kvtier.server")
 HOUSEKEEPING_S = 0.5
 REFUSING = 16
+MIN_TOKEN_BYTES = 16
+"""Shorter HTTP tokens are accepted with a warning."""
 
 
 class NodeServer:
@@ -276,16 +279,37 @@ class NodeServer:
         if self.config.metrics_port is None:
             return
         assert self.service is not None
+        auth = self.config.auth
+        token = http_token(self.config)
         self._http = NodeHTTP(self.service, self.config.metrics_host, self.config.metrics_port,
-                              timeout_s=max(self.config.frame_timeout_s, 1.0)).start()
+                              deadline_s=max(self.config.frame_timeout_s, 1.0), token=token,
+                              metrics_need_token=auth.metrics_need_token).start()
         self.metrics_port = self._http.port
-        log.info("metrics and lookups on http://%s:%d/ (/metrics, /v1/lookup)",
-                 self.config.metrics_host, self.metrics_port)
+        guarded = ", ".join(sorted(self._http.protected))
+        log.info("metrics and lookups on http://%s:%d/ (/metrics, /v1/lookup); %s",
+                 self.config.metrics_host, self.metrics_port,
+                 f"{guarded} need the bearer token" if token else
+                 f"no token set ({auth.http_token_env} / auth.http_token_file): "
+                 f"{guarded} answer anyone who reaches it")
 
     def _spawn(self, target: Any, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+
+
+def http_token(config: ServerConfig) -> bytes | None:
+    """The bearer token of the HTTP API (the first entry of its variable or file), None when
+    none is set. A ConfigError names the source, never the token."""
+    auth = config.auth
+    tokens = read_secrets(auth.http_token_env, auth.http_token_file, what="node HTTP token")
+    if not tokens:
+        return None
+    if len(tokens[0]) < MIN_TOKEN_BYTES:
+        log.warning("the node HTTP token is %d bytes; use at least %d random ones (it is "
+                    "all that keeps others from asking which prompts are cached)",
+                    len(tokens[0]), MIN_TOKEN_BYTES)
+    return tokens[0]
 
 
 def _check_private(folder: str) -> None:

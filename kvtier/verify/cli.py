@@ -1,5 +1,9 @@
 """``kvtier verify --url URL [--kvtier-servers URL,URL] [--backends URL,URL]``, or
-``kvtier verify --stack stack.json`` for a stack ``kvtier serve --instances N`` runs."""
+``kvtier verify --stack stack.json`` for a stack ``kvtier serve --instances N`` runs.
+
+The node servers' HTTP APIs may ask for a bearer token: ``--node-token-env VAR`` (default
+``$KVTIER_NODE_TOKEN``) or ``--node-token-file FILE`` (with ``--stack``, the file the stack was
+started with); it is sent only to the node servers, never printed."""
 
 from __future__ import annotations
 
@@ -9,8 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.auth import read_secrets
+from kvtier.config import AuthConfig
+from kvtier.errors import ConfigError
 from kvtier.router.config import read_key
 from kvtier.verify.run import VerifyOptions, api_key_from_env, verify
+
+NODE_TOKEN_ENV = AuthConfig().http_token_env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "bearer key (default: $OPENAI_API_KEY, else $VLLM_API_KEY)")
     keys.add_argument("--api-key-file", metavar="FILE", help="... or the key in FILE")
     keys.add_argument("--api-key", help=argparse.SUPPRESS)  # deprecated: visible in ps
+    tokens = p.add_mutually_exclusive_group()
+    tokens.add_argument("--node-token-env", metavar="VAR",
+                        help=f"environment variable holding the node servers' HTTP token "
+                        f"(default: ${NODE_TOKEN_ENV})")
+    tokens.add_argument("--node-token-file", metavar="FILE",
+                        help="... or the token in FILE (mode 600; default with --stack: the "
+                        "stack's --node-token-file)")
     p.add_argument("--api", choices=("completions", "chat"), default="completions")
     p.add_argument("--prefix-chars", type=int, default=12000,
                    help="length of the long prefix in characters (default: %(default)s)")
@@ -52,6 +68,17 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return read_key(args.api_key_env, args.api_key_file, "--api-key") or api_key_from_env()
 
 
+def node_token(args: argparse.Namespace, state: dict[str, Any] | None = None) -> str | None:
+    """The node servers' bearer token: from --node-token-file, --node-token-env, the file
+    the stack was started with, else $KVTIER_NODE_TOKEN (the first entry; None if unset)."""
+    file = args.node_token_file
+    if file is None and args.node_token_env is None and state:
+        file = (state.get("node_token") or {}).get("file")
+    env = args.node_token_env or NODE_TOKEN_ENV
+    found = read_secrets(None if file else env, file, what="node HTTP token")
+    return found[0].decode() if found else None
+
+
 def run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         "api_key": _api_key(args), "api": args.api,
@@ -64,12 +91,23 @@ def run(args: argparse.Namespace) -> int:
             overrides[name] = tuple(u.strip().rstrip("/") for u in value.split(",") if u)
     if args.shared_path:
         overrides["shared_path"] = Path(args.shared_path).expanduser()
+    state: dict[str, Any] | None = None
     if args.stack:
         try:
             state = json.loads(Path(args.stack).expanduser().read_text())
         except (OSError, ValueError) as exc:
             print(f"kvtier verify: cannot read {args.stack}: {exc}", file=sys.stderr)
             return 2
+        if not isinstance(state, dict):
+            print(f"kvtier verify: {args.stack}: not a stack.json (a JSON object)",
+                  file=sys.stderr)
+            return 2
+    try:
+        overrides["node_token"] = node_token(args, state)
+    except ConfigError as exc:
+        print(f"kvtier verify: {exc}", file=sys.stderr)
+        return 2
+    if state is not None:
         options = VerifyOptions.from_stack(state, **overrides)
     elif "url" in overrides:
         options = VerifyOptions(**overrides)

@@ -3,7 +3,8 @@
 Per instance i (the i-th ``--kvtier-servers`` URL and the i-th ``--backends`` URL):
 
 - its node server's HTTP API: ``/v1/stats`` (chunks per tier, which tiers are shared) and
-  ``/metrics`` (``kvtier_hits_total{tier}``: chunks leased per tier; lookups served);
+  ``/metrics`` (``kvtier_hits_total{tier}``: chunks leased per tier; lookups served), asked
+  with the node servers' bearer token when one is given;
 - its vLLM's ``/metrics`` (``vllm:request_success_total``: requests it finished).
 
 Comparing two :class:`Snapshot` s tells which instance served a request (the one whose vLLM
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.httpjson import HttpError, get_json, get_text
+from kvtier.httpjson import HttpError, bearer, get_json, get_text
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -52,15 +53,33 @@ class InstanceView:
     index: int
     node: str | None = None
     backend: str | None = None
+    node_token: str | None = field(default=None, repr=False)
+    """The node servers' bearer token (never shown)."""
+
+    @property
+    def node_headers(self) -> dict[str, str]:
+        return bearer(self.node_token)
+
+    def node_json(self, path: str) -> Any:
+        """``path`` of the node server's HTTP API, with the token (HttpError if refused)."""
+        return get_json(f"{self.node}{path}", headers=self.node_headers)
 
     def stats(self) -> dict[str, Any] | None:
-        if self.node is None:
-            return None
+        return None if self.node is None else self.stats_or_error()[0]
+
+    def stats_or_error(self) -> tuple[dict[str, Any] | None, str]:
+        """The node server's ``/v1/stats``, or why not (a 401 names the token options)."""
         try:
-            doc = get_json(f"{self.node}/v1/stats")
-        except HttpError:
-            return None
-        return doc if isinstance(doc, dict) else None
+            doc = self.node_json("/v1/stats")
+        except HttpError as exc:
+            if exc.status == 401:
+                how = ("a wrong node token" if self.node_token else "no node token")
+                return None, (f"{self.node}: 401, {how} (give --node-token-env VAR or "
+                              "--node-token-file FILE)")
+            return None, str(exc)
+        if not isinstance(doc, dict):
+            return None, f"{self.node}/v1/stats: not a JSON object"
+        return doc, ""
 
     def shared_tiers(self) -> dict[str, dict[str, Any]]:
         tiers = (self.stats() or {}).get("tiers") or {}
@@ -73,7 +92,8 @@ class InstanceView:
         out: dict[str, float] = {}
         if self.node is not None:
             with contextlib.suppress(HttpError):
-                out.update(counters(get_text(f"{self.node}/metrics"), (HITS, LOOKUPS)))
+                out.update(counters(get_text(f"{self.node}/metrics",
+                                             headers=self.node_headers), (HITS, LOOKUPS)))
             for name, doc in self.shared_tiers().items():
                 out[f"chunks|{name}"] = float(doc.get("chunks", 0))
         if self.backend is not None:

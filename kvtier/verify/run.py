@@ -46,6 +46,8 @@ class VerifyOptions:
     model: str | None = None
     api_key: str | None = field(default=None, repr=False)
     """Never shown (not in the repr, never printed)."""
+    node_token: str | None = field(default=None, repr=False)
+    """The bearer token of the node servers' HTTP APIs; never shown either."""
     api: str = "completions"
     prefix_chars: int = 12000
     max_tokens: int = 4
@@ -139,8 +141,8 @@ class Verification:
 
     def __post_init__(self) -> None:
         n = max(len(self.o.kvtier_servers), len(self.o.backends))
-        self.views = [InstanceView(i, _at(self.o.kvtier_servers, i), _at(self.o.backends, i))
-                      for i in range(n)]
+        self.views = [InstanceView(i, _at(self.o.kvtier_servers, i), _at(self.o.backends, i),
+                                   self.o.node_token) for i in range(n)]
 
     # ------------------------------------------------------------------ plumbing
 
@@ -209,13 +211,13 @@ class Verification:
         for view in self.views:
             shared = view.shared_tiers() if view.node else {}
             if view.node and view.stats() is None:
-                missing.append(view.node)
+                missing.append(view.stats_or_error()[1] or view.node)
             self.shared |= set(shared)
             self.chunk_tokens = _chunk_tokens(view) or self.chunk_tokens
         if self.views:
             seen.append(f"{len(self.views)} instance(s)")
         if missing:
-            return self.report(1, False, f"node server(s) not answering: {', '.join(missing)}")
+            return self.report(1, False, f"node server(s) not answering: {'; '.join(missing)}")
         seen.append("shared tier(s) " + (", ".join(sorted(self.shared)) or "none seen"))
         return self.report(1, True, "; ".join(seen))
 
@@ -344,7 +346,7 @@ def _chunk_tokens(view: InstanceView) -> int | None:
     if view.node is None:
         return None
     try:
-        namespaces = get_json(f"{view.node}/v1/namespaces")
+        namespaces = view.node_json("/v1/namespaces")
     except HttpError:
         return None
     for ns in namespaces if isinstance(namespaces, list) else []:

@@ -42,14 +42,18 @@ def check_router(kind: str, policy: str) -> None:
 
 
 def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence[str],
-                node_urls: Sequence[str], install_log: Path) -> list[str] | None:
-    """The router's command line (None for ``none``); installs vllm-router if needed."""
+                node_urls: Sequence[str], install_log: Path, *,
+                node_token_file: str | None = None) -> list[str] | None:
+    """The router's command line (None for ``none``); installs vllm-router if needed.
+    ``kvtier route`` reads the node token from ``$KVTIER_NODE_TOKEN`` (inherited) unless
+    ``node_token_file`` is given; vllm-router never asks node servers."""
     if kind == "none":
         return None
     if kind == "kvtier":
-        return [sys.executable, "-m", "kvtier", "route", "--backends", ",".join(backends),
+        argv = [sys.executable, "-m", "kvtier", "route", "--backends", ",".join(backends),
                 "--kvtier-servers", ",".join(node_urls), "--strategy", policy,
                 "--host", host, "--port", str(port)]
+        return argv + (["--node-token-file", node_token_file] if node_token_file else [])
     from kvtier.bench.peers import ensure_vllm_router
 
     binary = ensure_vllm_router(log_file=install_log)

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from kvtier.config import ServerConfig, parse_size, runtime_dir
+from kvtier.config import AuthConfig, ServerConfig, parse_size, runtime_dir
 from kvtier.errors import ConfigError
 from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.sizing import estimate_payload_len, flag_value
@@ -44,6 +44,9 @@ log = logging.getLogger("kvtier.serve")
 GiB = 1 << 30
 MiB = 1 << 20
 DEMO_NAME = "kvtier-demo"
+NODE_TOKEN_ENV = AuthConfig().http_token_env
+"""Where node servers, ``kvtier route`` and ``kvtier verify`` read the node token by
+default (``auth.http_token_env``)."""
 
 
 class _PassThrough(argparse.ArgumentParser):
@@ -86,6 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="socket of the embedded server (default: one per serve process)")
     p.add_argument("--kvtier-metrics-port", type=int, metavar="PORT",
                    help="serve the embedded server's Prometheus metrics on this port")
+    p.add_argument("--node-token-file", metavar="FILE",
+                   help="the node server's HTTP token (/v1/lookup, /v1/stats, "
+                   "/v1/namespaces ask for it) from FILE (mode 600); default: "
+                   f"${NODE_TOKEN_ENV} if set, else no token")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--priority", type=int, default=35,
                    help="default retention priority of stored chunks (0-100)")
@@ -143,6 +150,10 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     extra: dict[str, Any] = {"chunk_tokens": args.chunk_tokens, "priority": args.priority}
     server: ServerConfig | None = None
     if args.server_socket:
+        if args.node_token_file:
+            raise ConfigError("--node-token-file is for the node server kvtier serve starts; "
+                              "with --server-socket set auth.http_token_file in that "
+                              "server's config")
         extra["server_socket"] = args.server_socket
     else:
         server_dict = _server_dict(args)
@@ -208,7 +219,22 @@ def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
     server.setdefault("socket_path", args.socket_path or _default_socket())
     if args.kvtier_metrics_port is not None:
         server["metrics_port"] = args.kvtier_metrics_port
+    if args.node_token_file:
+        auth = server.setdefault("auth", {})
+        if not isinstance(auth, dict):
+            raise ConfigError(f"{args.server_config}: auth: expected a mapping")
+        auth["http_token_file"] = check_token_file(args.node_token_file)
     return server
+
+
+def check_token_file(path: str) -> str:
+    """``path`` made absolute, once it is known to hold a token in an owner-only file (a
+    ConfigError names what is wrong, never the token)."""
+    from kvtier.auth import read_secrets
+
+    absolute = os.path.abspath(os.path.expanduser(path))
+    read_secrets(None, absolute, what="--node-token-file")
+    return absolute
 
 
 def _given(argv: Sequence[str], flag: str) -> bool:

@@ -97,8 +97,12 @@ def _say_up(plan: ServePlan, model: str, took_s: float) -> None:
     if plan.server is not None:
         say(f"  tiers: {tiers_line(plan.server)}")
         if plan.server.metrics_port is not None:
+            auth = plan.server.auth
+            token = auth.http_token_file or (os.environ.get(auth.http_token_env)
+                                             and f"${auth.http_token_env}")
             say(f"  node server: http://{plan.server.metrics_host}:"
-                f"{plan.server.metrics_port} (/metrics, /v1/stats)")
+                f"{plan.server.metrics_port} (/metrics, /v1/stats"
+                + (f"; /v1/* need the bearer token in {token})" if token else ")"))
     else:
         say(f"  tiers: those of the kvtier server at {plan.socket_path}")
 

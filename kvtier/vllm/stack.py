@@ -85,10 +85,16 @@ class Stack:
         return f"http://{host}:{self.o.port}"
 
     def server_config(self, i: int) -> dict[str, Any]:
-        return {"socket_path": os.path.join(runtime_dir(), f"stack-{os.getpid()}-{i}.sock"),
-                "arena": {"size_bytes": self.o.arena_bytes},
-                "tiers": [self.shared] if self.shared else [],
-                "metrics_port": self.o.node_port(i), "metrics_host": "127.0.0.1"}
+        """Instance i's node server; its token comes from ``--node-token-file``, else from
+        ``$KVTIER_NODE_TOKEN`` in the environment it inherits (the default of ``auth``)."""
+        config: dict[str, Any] = {
+            "socket_path": os.path.join(runtime_dir(), f"stack-{os.getpid()}-{i}.sock"),
+            "arena": {"size_bytes": self.o.arena_bytes},
+            "tiers": [self.shared] if self.shared else [],
+            "metrics_port": self.o.node_port(i), "metrics_host": "127.0.0.1"}
+        if self.o.node_token_file:
+            config["auth"] = {"http_token_file": self.o.node_token_file}
+        return config
 
     def instance_argv(self, i: int) -> list[str]:
         o = self.o
@@ -183,11 +189,12 @@ class Stack:
         argv = router_argv(o.router, o.policy, o.host, o.port,
                            [self.url(i) for i in range(o.instances)],
                            [self.node_url(i) for i in range(o.instances)],
-                           o.run_dir / "router-install.log")
+                           o.run_dir / "router-install.log", node_token_file=o.node_token_file)
         if argv is None or self.stop.is_set():
             return not self.stop.is_set()
         log = o.run_dir / "router.log"
         log.unlink(missing_ok=True)
+        # the environment goes with it: kvtier route reads $KVTIER_NODE_TOKEN by default
         self.router = Child.start(f"router ({o.router})", argv, log)
         deadline = time.monotonic() + 120
         url = self.router_url or ""
@@ -215,7 +222,7 @@ class Stack:
         from kvtier.verify.run import VerifyOptions, verify
 
         self._write_state()
-        options = VerifyOptions.from_stack(self.state())
+        options = VerifyOptions.from_stack(self.state(), node_token=self.o.node_token())
         return verify(options)
 
     def _teardown(self) -> None:
@@ -236,6 +243,7 @@ class Stack:
             "instances": [{"url": self.url(i), "node": self.node_url(i), "pid": c.pid,
                            "log": str(c.log)} for i, c in enumerate(self.instances)],
             "shared": self.shared,
+            "node_token": self.o.node_token_source(),  # where from, never the token
         }
 
     def _write_state(self) -> Path:
@@ -255,6 +263,10 @@ class Stack:
         tiers = ServerConfig.from_dict({**self.server_config(0), "metrics_port": None})
         say(f"  tiers of each instance: {tiers_line(tiers)}"
             + ("" if self.shared else " (no shared tier)"))
+        token = o.node_token_source()
+        if token:
+            where = token.get("file") or f"${token.get('env')}"
+            say(f"  node servers' /v1/* need the bearer token in {where}")
         say(f"  check it: kvtier verify --stack {o.run_dir / 'stack.json'}")
         say("  Ctrl-C stops everything.")
 

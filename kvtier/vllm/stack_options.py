@@ -4,6 +4,9 @@ Ports follow ``--port P`` (default 8000): the router on P, instance i on P+1+i, 
 node server (HTTP API, /metrics) on P+101+i. So N is at most 100 (instance 100 would take
 node server 0's port) and P+100+N at most 65535; :meth:`StackOptions.instance_ports` names them
 for the check that they are free before anything starts.
+
+With a node token (``$KVTIER_NODE_TOKEN``, or ``--node-token-file``) every node server asks
+for it, and the router and ``kvtier verify`` are given it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import parse_size
+from kvtier.auth import read_secrets
+from kvtier.config import AuthConfig, parse_size
 from kvtier.errors import ConfigError
 from kvtier.ports import MAX_PORT
 from kvtier.vllm.front import DEFAULT_POLICY, ROUTERS, check_router
@@ -22,6 +26,7 @@ from kvtier.vllm.shared_spec import shared_tier
 from kvtier.vllm.sizing import flag_value
 
 LOCAL_SERVICES = ("s3", "redis")
+NODE_TOKEN_ENV = AuthConfig().http_token_env
 MAX_INSTANCES = 100
 _ONE_INSTANCE = {"server_config": "--server-config", "server_socket": "--server-socket",
                  "socket_path": "--socket-path", "kvtier_metrics_port": "--kvtier-metrics-port",
@@ -71,6 +76,8 @@ class StackOptions:
     priority: int
     run_dir: Path
     verify: bool
+    node_token_file: str | None = None
+    """``--node-token-file`` (absolute, checked); None: ``$KVTIER_NODE_TOKEN`` if set."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, default_arena: int) -> StackOptions:
@@ -100,7 +107,7 @@ class StackOptions:
             model=args.model, vllm_args=tuple(_without(vllm_args, "--port", "--host")),
             chunk_tokens=args.chunk_tokens, priority=args.priority,
             run_dir=Path(args.run_dir).expanduser() if args.run_dir else _default_run_dir(),
-            verify=bool(args.verify))
+            verify=bool(args.verify), node_token_file=_token_file(args))
         top = options.node_port(n - 1)
         if top > MAX_PORT:
             raise ConfigError(f"--port {port}: instance {n - 1}'s node server would listen on "
@@ -117,6 +124,18 @@ class StackOptions:
     def shared_tier(self, spec: str | None = None) -> dict[str, Any] | None:
         return shared_tier(spec if spec is not None else self.shared_spec, self.shared_bytes)
 
+    def node_token_source(self) -> dict[str, str] | None:
+        """Where the node servers' token comes from (for stack.json; never the token)."""
+        if self.node_token_file:
+            return {"file": self.node_token_file}
+        return {"env": NODE_TOKEN_ENV} if os.environ.get(NODE_TOKEN_ENV) else None
+
+    def node_token(self) -> str | None:
+        """The token the node servers will ask for (the first entry), None without one."""
+        found = read_secrets(None if self.node_token_file else NODE_TOKEN_ENV,
+                             self.node_token_file, what="node HTTP token")
+        return found[0].decode() if found else None
+
     def instance_port(self, i: int) -> int:
         return self.port + 1 + i
 
@@ -131,6 +150,13 @@ class StackOptions:
             out[f"instance {i}"] = self.instance_port(i)
             out[f"instance {i}'s node server"] = self.node_port(i)
         return out
+
+
+def _token_file(args: argparse.Namespace) -> str | None:
+    from kvtier.vllm.serve import check_token_file
+
+    path = getattr(args, "node_token_file", None)
+    return check_token_file(path) if path else None
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
