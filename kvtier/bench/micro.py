@@ -14,7 +14,11 @@ same bytes, so machine noise cancels out of the ratios:
 - lookup: round trip over the socket for a 128K-token prompt (512 keys, all hits);
 - housekeeping: the longest store-lock hold of expiry, clients leaving and coming back and
   the other periodic work, with 1M chunks indexed (:mod:`kvtier.bench.housekeeping`);
-- key hashing: bytes of int32 token ids chained through sha256 per second.
+- key hashing: bytes of int32 token ids chained through sha256 per second;
+- trust (:mod:`kvtier.bench.auth`): a shared folder's reads verified with the cluster secret's
+  MAC against the checksum alone (``fs_auth_read_ratio``, page cache warm: the hardest case),
+  and the longest store-lock hold applying a hostile 20 MB journal note and a full valid one
+  (``note_apply_lock_ms``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench import housekeeping, pagecache
+from kvtier.bench import auth, housekeeping, pagecache
 from kvtier.bench.report import Row, print_table
 from kvtier.client import KvtierClient
 from kvtier.codec import HEADER_SIZE, seal, stored_size
@@ -63,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
         disk_rows, disk_figs = _bench_disk(Path(tmp), payload, args.chunks, args.repeats)
         lookup_rows, lookup_figs = _bench_lookup(Path(tmp))
         hk_rows, hk_figs = housekeeping.bench(Path(tmp), args.housekeeping_chunks)
-    rows += arena_rows + disk_rows + lookup_rows + hk_rows
-    figures.update(arena_figs | disk_figs | lookup_figs | hk_figs)
+        trust_rows, trust_figs = _bench_trust(Path(tmp), payload)
+    rows += arena_rows + disk_rows + lookup_rows + hk_rows + trust_rows
+    figures.update(arena_figs | disk_figs | lookup_figs | hk_figs | trust_figs)
     hash_rows, hash_figs = _bench_hash()
     rows += hash_rows
     figures.update(hash_figs)
@@ -205,6 +210,16 @@ def _bench_disk(tmp: Path, payload: int, n: int, repeats: int
             "disk_write_ratio": tw / pw, "disk_read_ratio": trc / prc,
             "disk_read_warm_ratio": trw / prw}
     return rows, figs
+
+
+def _bench_trust(tmp: Path, payload: int) -> tuple[list[Row], dict[str, float]]:
+    tier = auth.tier_from({"type": "fs", "options": {"path": str(tmp / "auth")}})
+    try:
+        rows, figures = auth.auth_read("fs", tier, payload)
+    finally:
+        tier.close()
+    note_rows, note_figs = auth.note_apply_lock(tmp / "note")
+    return rows + note_rows, figures | note_figs
 
 
 def _bench_lookup(tmp: Path) -> tuple[list[Row], dict[str, float]]:

@@ -12,7 +12,9 @@ loopback by the bench unless endpoints are given):
   kvtier server and looked up through another server's socket, p50 (``*_lookup_128k_ms``;
   targets: s3 <= 20, fs and redis <= 5), next to what asking the backend per chunk would cost
   (a stat / HEAD / EXISTS each); and how long after the writer committed the reader found all
-  512 (``*_visible_s``: the journal's delay).
+  512 (``*_visible_s``: the journal's delay);
+- trust: reads verified with the cluster secret's MAC against the checksum alone, on the same
+  objects (``*_auth_read_ratio``; target >= 0.9; :mod:`kvtier.bench.auth`).
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
             tier = _backend(backend, args, tmp, stack)
             b_rows, b_figs = _throughput(backend, tier, sizes)
             l_rows, l_figs = lookup(backend, tier, tmp / f"lookup-{backend}")
-            rows += b_rows + l_rows
-            figures.update(b_figs | l_figs)
+            a_rows, a_figs = _auth(backend, tier, sizes[0])
+            rows += b_rows + l_rows + a_rows
+            figures.update(b_figs | l_figs | a_figs)
     print_table(rows, title="kvtier bench shared (tier vs plain client, same run)")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(figures, indent=2, sort_keys=True))
@@ -201,6 +204,17 @@ def _median(rounds: int, fn: Callable[[], None]) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _auth(backend: str, config: dict[str, Any], size: int
+          ) -> tuple[list[Row], dict[str, float]]:
+    from kvtier.bench import auth
+
+    tier = auth.tier_from(config)
+    try:
+        return auth.auth_read(backend, tier, size)
+    finally:
+        tier.close()
 
 
 # ---------------------------------------------------------------------- lookup

@@ -1,0 +1,24 @@
+"""The trust figures of ``kvtier bench micro`` and ``bench shared`` measure what they say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.bench import auth
+
+
+def test_auth_read_reads_and_verifies_with_and_without_the_secret(tmp_path: Path) -> None:
+    tier = auth.tier_from({"type": "fs", "options": {"path": str(tmp_path / "fs")}})
+    try:
+        rows, figures = auth.auth_read("fs", tier, 64 << 10, count=4, rounds=2)
+    finally:
+        tier.close()
+    assert figures["fs_auth_read_ratio"] > 0 and len(rows) == 1
+    assert not list((tmp_path / "fs" / "chunks").rglob("*.kvc")), "its chunks are removed"
+
+
+def test_note_apply_lock_refuses_the_hostile_note_and_applies_the_full_one(
+        tmp_path: Path) -> None:
+    _rows, figures = auth.note_apply_lock(tmp_path)
+    assert figures["note_20mb_lock_ms"] == 0.0, "a 20 MB note never reaches the lock"
+    assert 0 < figures["note_full_lock_ms"] == figures["note_apply_lock_ms"]
