@@ -8,15 +8,18 @@
     health monitor: /health, /v1/models, /metrics of each backend; /v1/namespaces of each
     node server, every --health-interval-s
 
-``/v1/*`` needs ``Authorization: Bearer KEY`` when a key is configured; ``/health`` and
-``/metrics`` do not (as in vLLM). On :meth:`Router.drain` the router stops listening, answers
-new requests on open connections with 503, and waits for the requests in flight.
+``/v1/*`` needs ``Authorization: Bearer KEY`` when a key is configured (the key names the
+client's tenant, :mod:`kvtier.router.tenants`); ``/health`` and ``/metrics`` do not (as in
+vLLM). A body over ``max_body_bytes`` gets 413 before it is read whole; a tenant's body gets
+its cache salt and priority cap before routing. Backend and node-server URLs are shown with
+their credentials redacted (:mod:`kvtier.router.redact`). On :meth:`Router.drain` the router
+stops listening, answers new requests on open connections with 503, and waits for the
+requests in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,10 +44,13 @@ from kvtier.router.proxy import (
     forward,
     outgoing_headers,
 )
-from kvtier.router.request import ENDPOINTS, RoutedRequest
+from kvtier.router.redact import Scrubber, ScrubFilter, userinfo
+from kvtier.router.request import ENDPOINTS, BodyTooLarge, RoutedRequest, read_body
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
+from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
 
 log = logging.getLogger("kvtier.router")
+TENANT = web.RequestKey("tenant", Tenant)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -58,7 +64,12 @@ class Router:
         self.renderers = Renderers()
         self.history = DeviceHistory(config.cost.device_ttl_s)
         self.strategy_cls = STRATEGIES[config.strategy]  # unknown name: fail before binding
-        self._key = config.api_key.encode() if config.api_key else None
+        self.tenants = config.tenants or Tenants({config.api_key: OPEN} if config.api_key
+                                                 else {})
+        self.scrub = Scrubber([*config.backends, *config.kvtier_servers])
+        self._scrub_filter = ScrubFilter(self.scrub)
+        self._node_headers = ({"Authorization": f"Bearer {config.node_token}"}
+                              if config.node_token else {})
         backend_auth = (f"Bearer {config.backend_api_key}" if config.backend_api_key else None)
         self._backend_auth = backend_auth
         self._backend_headers = {"Authorization": backend_auth} if backend_auth else {}
@@ -81,16 +92,20 @@ class Router:
         """Check every backend once, then listen; returns the port."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        if self.scrub.active:
+            log.addFilter(self._scrub_filter)
         lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
-                              self.metrics.lookup_failures)
+                              self.metrics.lookup_failures, self._node_headers)
         ctx = RoutingContext(self.config, self.pool, lookups, self.history)
         self.strategy = self.strategy_cls(ctx)
         self._health = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
-                                     self._backend_headers, self.renderers)
+                                     self._backend_headers, self.renderers,
+                                     self._node_headers)
         for backend in self.pool:
             self.metrics.up.labels(backend.name).set(0)
         await self._health.start()
-        app = web.Application(middlewares=[self._guard], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._guard],
+                              client_max_size=self.config.max_body_bytes)
         app.router.add_get("/health", self._health_handler)
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/v1/models", self._models_handler)
@@ -133,28 +148,25 @@ class Router:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        log.removeFilter(self._scrub_filter)
 
     # ------------------------------------------------------------------ handlers
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            if self._key is not None and not self._authorized(request):
+            tenant = self.tenants.identify(request.headers.get("Authorization", ""))
+            if tenant is None:
                 self.metrics.refused.labels("unauthorized").inc()
                 return error_response(401, "a valid API key is required (Authorization: "
                                       "Bearer ...)", "invalid_request_error")
+            request[TENANT] = tenant
             if self.draining:
                 self.metrics.refused.labels("draining").inc()
                 resp = error_response(503, "the router is shutting down")
                 resp.headers["Connection"] = "close"
                 return resp
         return await handler(request)
-
-    def _authorized(self, request: web.Request) -> bool:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        assert self._key is not None
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                  self._key)
 
     async def _health_handler(self, request: web.Request) -> web.Response:
         up = len(self.pool.healthy())
@@ -184,10 +196,20 @@ class Router:
         self.active += 1
         self._idle.clear()
         try:
-            raw = await request.read()
-            req = RoutedRequest.parse(request.path, raw,
-                                      request.headers.get(self.config.session_header),
-                                      self.renderers)
+            try:
+                raw = await read_body(request, self.config.max_body_bytes)
+                req = RoutedRequest.parse(request.path, raw,
+                                          request.headers.get(self.config.session_header),
+                                          self.renderers, request.get(TENANT, OPEN),
+                                          self.tenants)
+            except BodyTooLarge as exc:
+                self.metrics.refused.labels("too_large").inc()
+                resp = error_response(413, str(exc), "invalid_request_error")
+                resp.force_close()
+                return resp
+            except BadRequest as exc:
+                self.metrics.refused.labels("bad_request").inc()
+                return error_response(400, str(exc), "invalid_request_error")
             return await self._route(req, request, received)
         finally:
             self.active -= 1
@@ -217,14 +239,14 @@ class Router:
                 if not exc.retry:  # it may still be generating: never send it twice
                     log.warning("backend %s %s; not retried", backend.name, exc)
                     self.metrics.timeouts.labels(backend.name).inc()
-                    resp = error_response(504, f"the backend {exc}")
+                    resp = error_response(504, self.scrub(f"the backend {exc}"))
                     resp.headers[BACKEND_HEADER] = backend.name
                     return resp
                 self.metrics.retries.labels(backend.name).inc()
                 log.warning("backend %s failed before answering (%s); retrying elsewhere",
                             backend.name, exc)
                 if exc.down:
-                    self.pool.set_health(backend, False, str(exc))
+                    self.pool.set_health(backend, False, self.scrub(str(exc)))
 
     async def _attempt(self, req: RoutedRequest, decision: Decision, request: web.Request,
                        received: float) -> web.StreamResponse:
@@ -237,18 +259,20 @@ class Router:
         self._remember(req, decision)
         gauge = self.metrics.in_flight.labels(backend.name)
         gauge.inc()
-        headers = outgoing_headers(request.headers, self._backend_auth,
-                                   keep_client_auth=self._key is None)
+        # aiohttp sends a URL's credentials as Basic auth, and refuses a second Authorization
+        keep = not self.tenants.need_key and userinfo(backend.url) is None
+        headers = outgoing_headers(request.headers, self._backend_auth, keep_client_auth=keep)
         try:
             response, outcome = await forward(
                 self._session_or_fail(), backend.url + request.path_qs, backend.name, req.raw,
-                headers, request, self._timeout, lambda t: load.first_byte(fid, t))
+                headers, request, self._timeout, lambda t: load.first_byte(fid, t),
+                strip_details=not req.tenant.may_see_tier_details)
         finally:
             flight = load.finish(fid, time.monotonic())
             gauge.dec()
         self.accounting.record(req, decision, outcome, flight, received)
         if "cut" in outcome.extra:
-            self.pool.set_health(backend, False, f"stream cut: {outcome.extra['cut']}")
+            self.pool.set_health(backend, False, self.scrub(f"stream cut: {outcome.extra['cut']}"))
         elif "timed_out" in outcome.extra:  # slow, not gone: it stays in
             self.metrics.timeouts.labels(backend.name).inc()
         return response

@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.router.config import RouterConfig
 from kvtier.router.keys import NamespaceInfo, pick_namespace
 from kvtier.router.load import BackendLoad
+from kvtier.router.redact import redact_url
 
 log = logging.getLogger("kvtier.router")
 
@@ -35,7 +36,8 @@ class Backend:
 
     @property
     def name(self) -> str:
-        return self.url
+        """The URL as shown (names, labels, headers, logs): credentials redacted."""
+        return redact_url(self.url)
 
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or any(m.get("id") == model

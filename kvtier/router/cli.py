@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kvtier import logs
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.router.config import RouterConfig
+from kvtier.router.config import DEFAULT_MAX_BODY_BYTES, NODE_TOKEN_ENV, RouterConfig
 
 log = logging.getLogger("kvtier.router")
 STRATEGY_NAMES = ("roundrobin", "session", "prefix", "cache")
@@ -38,6 +38,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     backend_keys.add_argument("--backend-api-key-env", metavar="VAR",
                               help="the key sent to the backends (health checks included)")
     backend_keys.add_argument("--backend-api-key-file", metavar="FILE")
+    p.add_argument("--tenants-file", metavar="FILE",
+                   help="API keys to tenants (YAML or JSON; see docs/router.md): each tenant's "
+                   "requests get its own cache salt, a priority cap, and tier details or not")
+    salt = p.add_mutually_exclusive_group()
+    salt.add_argument("--salt-secret-env", metavar="VAR",
+                      help="with --tenants-file: the secret tenant salts are keyed with")
+    salt.add_argument("--salt-secret-file", metavar="FILE", help="... or in an owner-only FILE")
+    node_token = p.add_mutually_exclusive_group()
+    node_token.add_argument("--node-token-env", metavar="VAR", default=NODE_TOKEN_ENV,
+                            help="the node servers' HTTP API token, sent as Authorization: "
+                            f"Bearer on lookups and namespace reads (default {NODE_TOKEN_ENV}; "
+                            "unset or empty: none sent)")
+    node_token.add_argument("--node-token-file", metavar="FILE",
+                            help="... or the token in an owner-only FILE")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies are refused with 413 (default 8 MiB)")
     p.add_argument("--health-interval-s", type=float, default=2.0)
     p.add_argument("--session-header", default="X-Session-Id",
                    help="the session strategy's key (else the body's 'user')")

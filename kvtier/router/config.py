@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvtier.auth import read_secrets
 from kvtier.errors import ConfigError
+from kvtier.router.redact import redact_url, userinfo
+from kvtier.router.tenants import Tenants, load_tenants
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+NODE_TOKEN_ENV = "KVTIER_NODE_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,27 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     """A backend that sends nothing for this long fails the request."""
     cost: CostModel = CostModel()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """A request body larger than this is refused with 413, before it is read whole."""
+    tenants: Tenants | None = None
+    """From ``--tenants-file``; None: one open tenant (``api_key``, if set, is its key)."""
+    node_token: str | None = None
+    """Sent as ``Authorization: Bearer`` on every call to a node server's HTTP API."""
 
-    def __repr__(self) -> str:  # never show keys, even in a traceback
-        return (f"RouterConfig(backends={self.backends}, strategy={self.strategy!r}, "
+    def __post_init__(self) -> None:
+        if self.backend_api_key and any(userinfo(u) for u in self.backends):
+            raise ConfigError("--backend-api-key-*: a backend URL carries credentials "
+                              "(user:password@) too; give one or the other")
+        if self.node_token and any(userinfo(u) for u in self.kvtier_servers if u):
+            raise ConfigError("--node-token-*: a --kvtier-servers URL carries credentials "
+                              "(user:password@) too; give one or the other")
+
+    def __repr__(self) -> str:  # never show keys or URL credentials, even in a traceback
+        return (f"RouterConfig(backends={tuple(redact_url(u) for u in self.backends)}, "
+                f"strategy={self.strategy!r}, "
                 f"api_key={'set' if self.api_key else None}, "
-                f"backend_api_key={'set' if self.backend_api_key else None})")
+                f"backend_api_key={'set' if self.backend_api_key else None}, "
+                f"tenants={self.tenants!r}, node_token={'set' if self.node_token else None})")
 
     __str__ = __repr__
 
@@ -71,17 +93,36 @@ class RouterConfig:
             prefill_tokens_per_s=_positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s"),
             device_ttl_s=_positive(args.device_ttl_s, "--device-ttl-s"),
             lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"))
+        api_key = read_key(args.api_key_env, args.api_key_file, "--api-key")
         return cls(
             backends=backends, kvtier_servers=servers, strategy=args.strategy,
             host=args.host, port=_port(args.port),
-            api_key=read_key(args.api_key_env, args.api_key_file, "--api-key"),
+            api_key=api_key,
             backend_api_key=read_key(args.backend_api_key_env, args.backend_api_key_file,
                                      "--backend-api-key"),
             health_interval_s=_positive(args.health_interval_s, "--health-interval-s"),
             session_header=args.session_header, drain_s=_non_negative(args.drain_s, "--drain-s"),
             prefix_chunks=int(_positive(args.prefix_chunks, "--prefix-chunks")),
             request_timeout_s=_positive(args.request_timeout_s, "--request-timeout-s"),
-            cost=cost)
+            cost=cost,
+            max_body_bytes=int(_positive(args.max_body_bytes, "--max-body-bytes")),
+            tenants=_tenants(args, api_key),
+            node_token=_first_secret(args.node_token_env, args.node_token_file, "node token"))
+
+
+def _tenants(args: argparse.Namespace, api_key: str | None) -> Tenants | None:
+    salt = _first_secret(args.salt_secret_env, args.salt_secret_file, "salt secret")
+    if not args.tenants_file:
+        if salt:
+            raise ConfigError("--salt-secret-*: only used with --tenants-file")
+        return None
+    return load_tenants(args.tenants_file, api_key, salt.encode() if salt else None)
+
+
+def _first_secret(env: str | None, file: str | None, what: str) -> str | None:
+    """The first secret of ``read_secrets`` (an owner-only file, else the variable)."""
+    found = read_secrets(env, file, what)
+    return found[0].decode(errors="replace") if found else None
 
 
 def parse_urls(text: str, option: str) -> tuple[str, ...]:
@@ -92,7 +133,7 @@ def parse_urls(text: str, option: str) -> tuple[str, ...]:
             continue
         parts = urlsplit(raw)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"{option}: {raw!r} is not an http(s)://host:port URL")
+            raise ConfigError(f"{option}: {redact_url(raw)!r} is not an http(s)://host:port URL")
         out.append(raw.rstrip("/"))
     return tuple(out)
 

@@ -3,9 +3,9 @@
 Per backend: ``GET /health`` (a 200 within the interval keeps it in; anything else takes it
 out at once, the next 200 brings it back), then ``GET /v1/models`` (what it serves, merged into
 the router's own /v1/models) and ``GET /metrics`` (its queue and device cache size). Per
-node server: ``GET /v1/namespaces`` (what keys its engines compute). A request that cannot
-reach a backend also takes it out (:meth:`BackendPool.set_health`), without waiting for the
-next round.
+node server: ``GET /v1/namespaces`` (what keys its engines compute; with the node token). A
+request that cannot reach a backend also takes it out (:meth:`BackendPool.set_health`),
+without waiting for the next round.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ log = logging.getLogger("kvtier.router")
 
 class HealthMonitor:
     def __init__(self, pool: BackendPool, session: aiohttp.ClientSession, interval_s: float,
-                 backend_headers: dict[str, str], renderers: Renderers) -> None:
+                 backend_headers: dict[str, str], renderers: Renderers,
+                 node_headers: dict[str, str] | None = None) -> None:
         self.pool = pool
         self.session = session
         self.interval_s = interval_s
         self.headers = backend_headers
+        self.node_headers = node_headers or {}
         self.renderers = renderers
         self._task: asyncio.Task[None] | None = None
 
@@ -92,7 +94,8 @@ class HealthMonitor:
     async def _namespaces(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
         if backend.node_url is None:
             return
-        doc = await self._get_json(f"{backend.node_url}/v1/namespaces", timeout, {})
+        doc = await self._get_json(f"{backend.node_url}/v1/namespaces", timeout,
+                                   self.node_headers)
         if not isinstance(doc, list):
             return  # keep what it said last: an engine's keys do not change while it runs
         spaces = [ns for ns in (NamespaceInfo.parse(d) for d in doc if isinstance(d, dict))

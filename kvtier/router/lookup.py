@@ -1,7 +1,9 @@
 """Asking node servers what they hold of a prompt (``POST /v1/lookup``), in parallel.
 
 A server that does not answer within ``timeout_s`` (or answers with an error) counts as
-holding nothing: a lookup must never make routing slower than routing without it.
+holding nothing: a lookup must never make routing slower than routing without it. With a
+node token every lookup carries ``Authorization: Bearer TOKEN``; failures are counted under
+the server's URL with its credentials redacted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from kvtier.keys import ChunkKey
+from kvtier.router.redact import redact_url
 
 log = logging.getLogger("kvtier.router")
 
@@ -23,10 +26,12 @@ NOTHING: Answer = ((), ())
 
 class NodeLookups:
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float,
-                 failures: Counter | None = None) -> None:
+                 failures: Counter | None = None, headers: Mapping[str, str] | None = None
+                 ) -> None:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.failures = failures
+        self.headers = dict(headers or {})
 
     async def many(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]]
                    ) -> dict[tuple[str, bytes], Answer]:
@@ -40,7 +45,7 @@ class NodeLookups:
             return NOTHING
         body = {"keys": [k.hex() for k in keys]}
         try:
-            async with self.session.post(f"{url}/v1/lookup", json=body,
+            async with self.session.post(f"{url}/v1/lookup", json=body, headers=self.headers,
                                          timeout=self.timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
@@ -50,8 +55,8 @@ class NodeLookups:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError,
                 TypeError) as exc:
             if self.failures is not None:
-                self.failures.labels(url).inc()
-            log.debug("lookup on %s failed: %s: %s", url, type(exc).__name__, exc)
+                self.failures.labels(redact_url(url)).inc()
+            log.debug("lookup on %s failed: %s: %s", redact_url(url), type(exc).__name__, exc)
             return NOTHING
         n = min(len(tiers), len(arrival))
         return tiers[:n], arrival[:n]

@@ -8,6 +8,9 @@
   included (a 400 or 500 from vLLM reaches the client as vLLM sent it).
 - A backend failing mid-stream cannot be hidden: the client gets an SSE error event and the
   connection is closed without the stream's end, so it knows the answer is cut.
+- For a tenant not allowed to see them, ``kv_transfer_params.kvtier`` is taken out of the
+  answer, whole or streamed (:mod:`kvtier.router.details`); the router's own accounting reads
+  the answer before that.
 - Timeouts are not failures of the backend: aiohttp's ``ServerTimeoutError`` (a
   ``ClientConnectionError`` too) is caught before the connection errors. A timeout while
   connecting may be retried elsewhere; a timeout after the request was sent (no answer, or
@@ -27,6 +30,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+
+from kvtier.router.details import StreamStripper, strip_body
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                         "proxy-authorization", "te", "trailer", "trailers",
@@ -87,7 +92,8 @@ def _back_headers(backend: Mapping[str, str], backend_name: str) -> CIMultiDict[
 
 async def forward(session: aiohttp.ClientSession, url: str, backend_name: str, raw: bytes,
                   headers: CIMultiDict[str], client: web.Request, timeout: aiohttp.ClientTimeout,
-                  on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
+                  on_first_byte: Callable[[float], None], *, strip_details: bool = False
+                  ) -> tuple[web.StreamResponse, Outcome]:
     try:
         resp = await session.post(url, data=raw, headers=headers, timeout=timeout,
                                   skip_auto_headers=("Accept-Encoding", "Content-Type"))
@@ -99,12 +105,14 @@ async def forward(session: aiohttp.ClientSession, url: str, backend_name: str, r
         raise BackendFailed(f"{type(exc).__name__}: {exc}", down=True) from exc
     async with resp:
         if resp.content_type == "text/event-stream":
-            return await _stream(resp, backend_name, client, on_first_byte)
-        return await _whole(resp, backend_name, on_first_byte)
+            return await _stream(resp, backend_name, client, on_first_byte,
+                                 StreamStripper() if strip_details else None)
+        return await _whole(resp, backend_name, on_first_byte, strip_details)
 
 
 async def _whole(resp: aiohttp.ClientResponse, backend_name: str,
-                 on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
+                 on_first_byte: Callable[[float], None], strip_details: bool
+                 ) -> tuple[web.StreamResponse, Outcome]:
     try:
         body = await resp.read()
     except TimeoutError as exc:
@@ -120,13 +128,16 @@ async def _whole(resp: aiohttp.ClientResponse, backend_name: str,
             outcome.doc = doc if isinstance(doc, dict) else None
         except ValueError:
             pass
+    if strip_details:
+        body = strip_body(body)
     out = web.Response(status=resp.status, reason=resp.reason, body=body,
                        headers=_back_headers(resp.headers, backend_name))
     return out, outcome
 
 
 async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.Request,
-                  on_first_byte: Callable[[float], None]) -> tuple[web.StreamResponse, Outcome]:
+                  on_first_byte: Callable[[float], None], stripper: StreamStripper | None
+                  ) -> tuple[web.StreamResponse, Outcome]:
     try:
         first = await resp.content.readany()
     except TimeoutError as exc:
@@ -142,15 +153,17 @@ async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.R
     await out.prepare(client)
     chunk = first
     while chunk:
+        if b'"kv_transfer_params"' in chunk:
+            outcome.doc = _event_with_params(chunk) or outcome.doc
+        data = stripper.feed(chunk) if stripper else chunk
         try:
-            await out.write(chunk)
+            if data:
+                await out.write(data)
         except (ConnectionError, RuntimeError):  # the client went away: stop reading
             outcome.extra["client_gone"] = True
             return out, outcome
         outcome.chunks += 1
         outcome.last_byte = time.monotonic()
-        if b'"kv_transfer_params"' in chunk:
-            outcome.doc = _event_with_params(chunk) or outcome.doc
         try:
             chunk = await resp.content.readany()
         except TimeoutError as exc:  # slow, not gone: the backend stays in
@@ -162,6 +175,9 @@ async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.R
             await _cut(out, client)
             return out, outcome
     with contextlib.suppress(ConnectionError, RuntimeError):
+        rest = stripper.flush() if stripper is not None else b""
+        if rest:
+            await out.write(rest)
         await out.write_eof()
     return out, outcome
 

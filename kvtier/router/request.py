@@ -1,5 +1,9 @@
-"""One client request as the router handles it: its bytes, what routing reads from its body,
-and (lazily) its prompt's keys."""
+"""One client request as the router handles it: its bytes (read up to a cap), its tenant's
+rules applied to its body, what routing reads from it, and (lazily) its prompt's keys.
+
+The keys are computed from the body as the backend gets it — after the tenant's salt went in
+— so they are the keys the engine computes.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,36 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from kvtier.router.keys import NamespaceInfo, PromptKeys, Renderers, RequestKeys
+from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class BodyTooLarge(Exception):
+    """The body is over ``--max-body-bytes`` (answered with 413)."""
+
+    def __init__(self, cap: int, declared: int | None) -> None:
+        said = f"Content-Length {declared}" if declared is not None else "the body"
+        super().__init__(f"request body too large: {said} is over the limit of {cap} bytes "
+                         "(--max-body-bytes)")
+
+
+async def read_body(request: web.Request, cap: int) -> bytes:
+    """The body, refused before reading when its Content-Length is over ``cap`` and as soon
+    as the bytes received pass it (chunked bodies): never more than ``cap`` (plus one read)
+    in memory."""
+    declared = request.content_length
+    if declared is not None and declared > cap:
+        raise BodyTooLarge(cap, declared)
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        if len(body) + len(chunk) > cap:
+            raise BodyTooLarge(cap, None)
+        body += chunk
+    return bytes(body)
 
 
 @dataclass
@@ -22,20 +53,32 @@ class RoutedRequest:
     answers it)."""
     session: str | None
     keys_of: RequestKeys
+    tenant: Tenant = OPEN
 
     @classmethod
     def parse(cls, path: str, raw: bytes, session_header: str | None,
-              renderers: Renderers) -> RoutedRequest:
+              renderers: Renderers, tenant: Tenant = OPEN,
+              tenants: Tenants | None = None) -> RoutedRequest:
+        """Raises :class:`BadRequest` when the tenant's rules cannot be applied."""
         try:
             doc = json.loads(raw) if raw else None
-        except ValueError:
+        except (ValueError, RecursionError):
             doc = None
         body = doc if isinstance(doc, dict) else None
+        if tenants is not None and tenant.enforced:
+            if body is None:
+                raise BadRequest("the body must be a JSON object")
+            try:
+                if tenants.enforce(tenant, body):
+                    raw = json.dumps(body).encode()
+            except RecursionError as exc:
+                raise BadRequest("the body is nested too deeply") from exc
         endpoint = ENDPOINTS[path]
         session = session_header
         if not session and body is not None and isinstance(body.get("user"), str):
             session = body["user"] or None
-        return cls(path, endpoint, raw, body, session, RequestKeys(endpoint, body, renderers))
+        return cls(path, endpoint, raw, body, session, RequestKeys(endpoint, body, renderers),
+                   tenant)
 
     @property
     def model(self) -> str | None:

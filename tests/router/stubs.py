@@ -51,8 +51,10 @@ class EngineModel:
                                       "served_model_name": MODEL, "tokenizer": tokenizer,
                                       "namespace": NS.hex()[:16]}))
 
-    async def prefill(self, tokens: list[int]) -> dict[str, int]:
-        keys = chunk_keys(NS, tokens, self.chunk_tokens)
+    async def prefill(self, tokens: list[int], cache_salt: str | None = None) -> dict[str, int]:
+        # the connector's extras: the request's cache_salt roots the chain
+        extras = (f"salt:{cache_salt}",) if cache_salt else ()
+        keys = chunk_keys(NS, tokens, self.chunk_tokens, extras)
         async with self.lock:
             hit = await asyncio.to_thread(self._lookup, keys)
             held = {t: 0 for t in hit}
@@ -84,6 +86,9 @@ class StubBackend:
     """Answer completions with this status (and an OpenAI error body) instead."""
     hang_first_byte: bool = False
     """Streams: send headers, then never a byte (until stopped)."""
+    stream_details: bool = False
+    """Streams: the last event carries ``kv_transfer_params.kvtier``, written in two pieces
+    split inside its line."""
     seen: list[dict[str, Any]] = field(default_factory=list)
     health_headers: list[dict[str, str]] = field(default_factory=list)
     running: int = 0
@@ -93,7 +98,7 @@ class StubBackend:
     _open: set[Any] = field(default_factory=set)
 
     async def start(self) -> StubBackend:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -169,7 +174,7 @@ class StubBackend:
     async def _prefill(self, body: dict[str, Any]) -> dict[str, int] | None:
         prompt = body.get("prompt")
         if self.engine is not None and isinstance(prompt, list):
-            return await self.engine.prefill(prompt)
+            return await self.engine.prefill(prompt, body.get("cache_salt"))
         await asyncio.sleep(self.ttft_s)
         return None
 
@@ -184,6 +189,13 @@ class StubBackend:
             chunk = {"id": "cmpl-stub", "choices": [{"index": 0, "text": f" w{i}"}],
                      "served_by": self.url}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if self.stream_details:
+            last = {"id": "cmpl-stub", "choices": [], "kv_transfer_params": {
+                "kvtier": {"tokens": {"arena": 16, "recomputed": 4}}, "other": 1}}
+            event = f"data: {json.dumps(last)}\n\n".encode()
+            await resp.write(event[:20])
+            await asyncio.sleep(0.05)
+            await resp.write(event[20:])
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
