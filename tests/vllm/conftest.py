@@ -21,6 +21,10 @@ VLLM = importlib.util.find_spec("vllm") is not None
 # vLLM sets torch's thread count for the first engine of a process and exports it to later
 # ones; fixing it here gives every engine (baseline and kvtier) the same kernels.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The end-to-end suite runs with a cluster secret (docs/security.md): every chunk on a shared
+# tier is sealed with a MAC and checked on every read, and tokens must still equal a run
+# without kvtier. Every node server the tests start (in-process or `kvtier server`) reads it.
+os.environ.setdefault("KVTIER_SHARED_SECRET", "kvtier end-to-end cluster secret")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

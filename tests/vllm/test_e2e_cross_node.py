@@ -77,6 +77,13 @@ def shared_tier(backend: str, request: pytest.FixtureRequest, tmp_path: Path
     pytest.fail(f"backend {backend} is not wired yet")
 
 
+def signed(path: Path) -> bool:
+    from kvtier.codec import FLAG_MAC, USED_HEADER_BYTES, ChunkHeader
+
+    with open(path, "rb") as f:
+        return bool(ChunkHeader.unpack(f.read(USED_HEADER_BYTES)).flags & FLAG_MAC)
+
+
 def chunks_on(node: ServerProcess, tier: str = "shared") -> int:
     return int(node.stats()["tiers"][tier]["chunks"])
 
@@ -97,6 +104,9 @@ def test_b_loads_from_the_shared_tier_what_a_stored(
     while chunks_on(b_node) < want and time.monotonic() < deadline:
         time.sleep(0.1)
     assert chunks_on(b_node) == want, "node B's books follow A's journal"
+    if backend == "fs":
+        assert all(signed(path) for path in Path(a_tier["options"]["path"]).rglob("*.kvc")), \
+            "every chunk on the shared tier carries the cluster secret's MAC"
     result = e2e.one_by_one(engines[1], prompts)
     assert result.tokens == baseline[f"CROSS_{backend}"], "tokens of a run without cache"
     for acct, prompt in zip(result.kvtier, prompts, strict=True):
