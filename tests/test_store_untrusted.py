@@ -296,3 +296,32 @@ def test_a_sweep_stuck_on_one_io_does_not_stop_sweeping(servers: Servers) -> Non
         release.set()
     assert np.all(np.diff(calls) > 0)
     a.check_integrity()
+
+
+def test_a_listing_that_breaks_on_garbage_does_not_stop_a_start(
+        backend: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.store.breaker import BreakerState
+    from kvtier.tiers import TIERS
+
+    cls = TIERS[backend["type"]]
+
+    def broken(self: SharedTier) -> Iterator[Any]:
+        raise ValueError("invalid literal for int() with base 10: b'\\xff'")
+        yield  # a generator, as the tiers' scans are
+
+    monkeypatch.setattr(cls, "scan", broken)
+    config = ServerConfig.from_dict({
+        "socket_path": str(tmp_path / "s.sock"),
+        "arena": {"size_bytes": 4 * SLOT_BYTES, "slot_bytes": SLOT_BYTES},
+        "tiers": [{**backend, "name": "shared", "capacity_bytes": 1 << 20,
+                   "options": {**backend["options"], **FAST}}]})
+    store = TieredStore(config, arena_name=arena_name(), keyring=None)
+    try:
+        assert store.rebuild() == 0, "the server starts; the tier's books start empty"
+        assert store.tiers[0].breaker.state is not BreakerState.CLOSED
+        k = keys(1, "arena")
+        store_chunks(store, k)
+        assert load(store, k).payloads == expected(k), "and it serves from the arena"
+        store.check_integrity()
+    finally:
+        store.close(drain_s=5)

@@ -8,6 +8,7 @@ longer. A listing given up keeps running on its daemon thread, but what it finds
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -15,6 +16,8 @@ from kvtier.errors import TierError, TierIOError, TierTimeout
 from kvtier.store.lower import LowerTierState
 from kvtier.tiers import Space
 from kvtier.tiers.base import StoredChunk
+
+log = logging.getLogger("kvtier.store")
 
 
 class _Listing:
@@ -57,6 +60,10 @@ def bounded_scan(state: LowerTierState) -> tuple[Space | None, list[StoredChunk]
         raise listing.error
     if isinstance(listing.error, OSError):
         raise TierIOError(f"tier {state.name}: listing failed: {listing.error}") from listing.error
+    if isinstance(listing.error, Exception):  # garbage a peer left must not stop a start
+        log.error("tier %s: listing failed", state.name, exc_info=listing.error)
+        raise TierIOError(f"tier {state.name}: listing failed: "
+                          f"{type(listing.error).__name__}: {listing.error}") from listing.error
     if listing.error is not None:
         raise listing.error
     return listing.space, listing.found
