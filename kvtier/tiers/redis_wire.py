@@ -42,12 +42,13 @@ def pack_transaction(commands: Sequence[Sequence[Arg]]) -> list[bytes | memoryvi
     return parts
 
 
-def transaction(pool: Any, commands: Sequence[Sequence[Arg]]) -> list[Any]:
+def transaction(pool: Any, commands: Sequence[Sequence[Arg]], *,
+                raise_errors: bool = True) -> list[Any]:
     """Run ``commands`` in one MULTI/EXEC on a connection of ``pool``; EXEC's replies.
 
     Raises redis-py's errors: ConnectionError / TimeoutError from the socket, ResponseError
-    for a command the server refused (OOM at maxmemory, a wrong type), WatchError if EXEC
-    was aborted."""
+    for a command the server refused (OOM at maxmemory, a wrong type; with ``raise_errors``
+    false such a refusal is left in the replies instead), WatchError if EXEC was aborted."""
     packet = pack_transaction(commands)
     conn = pool.get_connection()
     try:
@@ -63,7 +64,7 @@ def transaction(pool: Any, commands: Sequence[Sequence[Arg]]) -> list[Any]:
     if replies is None:
         raise WatchError("the transaction was aborted")
     for reply in replies:
-        if isinstance(reply, ResponseError):
+        if raise_errors and isinstance(reply, ResponseError):
             raise reply
     return list(replies)
 

@@ -26,19 +26,24 @@ from kvtier.config import TierConfig
 from kvtier.errors import TierIOError, TierTimeout
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import StoredChunk
+from kvtier.tiers.redis_index import Skips
 from kvtier.tiers.s3_client import make_client
 from kvtier.tiers.s3_errors import error_code, is_missing, s3_errors
 from kvtier.tiers.s3_options import parse_s3_options
-from kvtier.tiers.s3_stream import ViewStream, read_body_into
+from kvtier.tiers.s3_stream import ViewStream, read_body_into, read_bounded
 from kvtier.tiers.shared import (
     CHUNK_FILE,
+    MAX_LISTED_NOTES,
+    MAX_NOTE_BYTES,
     NAMESPACE_HEX,
+    NOTE_NAME,
     SharedTier,
     check_note_name,
     chunk_name,
 )
 
 log = logging.getLogger("kvtier.tiers")
+STRAY_OBJECT = "objects under chunks/ that are not chunks"
 
 
 class S3Tier(SharedTier):
@@ -51,12 +56,19 @@ class S3Tier(SharedTier):
         self._source = str(self.options.credential_source)
         self._client = make_client(self.options, where)
         self._slots = threading.BoundedSemaphore(self.options.max_connections)
+        self.skips = Skips(name)
+        """Objects in the tier's key space that are not its own, by kind."""
         if config.io_timeout_s < self.options.worst_case_s:
             log.warning("tier %s: io_timeout_s %.1f s is shorter than a failing S3 call can "
                         "take (%.1f s: retries x timeouts); the store gives up first",
                         name, config.io_timeout_s, self.options.worst_case_s)
         if self.options.create_bucket:
             self._ensure_bucket()
+
+    @property
+    def skipped_entries(self) -> int:
+        """Entries listings and reads passed over since start (``skips.counts`` by kind)."""
+        return self.skips.total()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -173,20 +185,26 @@ class S3Tier(SharedTier):
                     raise
 
     def scan(self) -> Iterator[StoredChunk]:
+        before = self.skips.snapshot()
         yield from self._chunks(f"{self.prefix}chunks/")
+        self.skips.settle(before, (STRAY_OBJECT,))  # a complete pass: gone if none met
 
     def scan_namespace(self, namespace: bytes) -> Iterator[StoredChunk]:
         yield from self._chunks(f"{self.prefix}chunks/{namespace.hex()}/")
 
     def _chunks(self, prefix: str) -> Iterator[StoredChunk]:
+        """Chunk objects under ``prefix``; any other object (a stray file, a bad namespace
+        folder, a wrong shard) is skipped and counted."""
         top = len(f"{self.prefix}chunks/")
         for page in self._pages("listing chunks", Prefix=prefix):
             for obj in page.get("Contents", ()):
                 found = _parse_chunk(obj["Key"][top:])
-                if found is not None:
-                    namespace, key = found
-                    yield StoredChunk(key, int(obj["Size"]), obj["LastModified"].timestamp(),
-                                      35, namespace)
+                if found is None:
+                    self.skips.add(STRAY_OBJECT)
+                    continue
+                namespace, key = found
+                yield StoredChunk(key, int(obj["Size"]), obj["LastModified"].timestamp(),
+                                  35, namespace)
 
     def namespaces(self) -> list[bytes]:
         top = f"{self.prefix}chunks/"
@@ -196,6 +214,8 @@ class S3Tier(SharedTier):
                 name = common["Prefix"][len(top) :].rstrip("/")
                 if NAMESPACE_HEX.fullmatch(name):
                     found.append(bytes.fromhex(name))
+                else:
+                    self.skips.add("folders under chunks/ that are not namespaces")
         return found
 
     def _pages(self, doing: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
@@ -216,27 +236,36 @@ class S3Tier(SharedTier):
         with self._call(f"writing note {name}"):
             self._client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data))
 
-    def get_note(self, name: str) -> bytes | None:
+    def get_note(self, name: str, max_bytes: int = MAX_NOTE_BYTES) -> bytes | None:
         key = self._note_key(name)
-        with self._call(f"reading note {name}"):
+        doing = f"reading note {name}"
+        with self._call(doing):
             response = self._get(key)
             if response is None:
                 return None
-            body = response["Body"]
-            try:
-                return bytes(body.read())
-            finally:
-                body.close()
+            return read_bounded(response["Body"], int(response["ContentLength"]), max_bytes,
+                                f"{self.name} tier: {doing}")
 
-    def list_notes(self, prefix: str, start_after: str = "") -> list[str]:
+    def list_notes(self, prefix: str, start_after: str = "",
+                   limit: int = MAX_LISTED_NOTES) -> list[str]:
+        """The first ``limit`` valid note names directly in ``prefix``, in order; objects
+        whose names are not note names are skipped and counted."""
         folder = f"{check_note_name(prefix.rstrip('/'))}/"
         top = f"{self.prefix}notes/"
         extra = {"StartAfter": f"{top}{start_after}"} if start_after else {}
-        names = [obj["Key"][len(top) :]
-                 for page in self._pages(f"listing notes {prefix}", Prefix=f"{top}{folder}",
-                                         Delimiter="/", **extra)
-                 for obj in page.get("Contents", ())]
-        return sorted(n for n in names if n > start_after)
+        names: list[str] = []
+        if limit <= 0:
+            return names
+        for page in self._pages(f"listing notes {prefix}", Prefix=f"{top}{folder}",
+                                Delimiter="/", MaxKeys=min(limit, 1000), **extra):
+            listed = [obj["Key"][len(top) :] for obj in page.get("Contents", ())]
+            valid = [n for n in listed if _is_note_name(n)]
+            self.skips.add("note objects whose names are not note names",
+                           len(listed) - len(valid))
+            names += (n for n in valid if n > start_after)
+            if len(names) >= limit:
+                break
+        return sorted(names)[:limit]
 
     def delete_note(self, name: str) -> None:
         key = self._note_key(name)
@@ -246,11 +275,13 @@ class S3Tier(SharedTier):
     # ------------------------------------------------------------------ upkeep
 
     def clean_stale_temps(self, older_than_s: float) -> int:
-        """Abort multipart uploads under ``prefix`` begun more than ``older_than_s`` ago (by
-        the server's clock, compared with ours)."""
+        """Abort multipart uploads of chunks (``<prefix>chunks/<ns>/<kk>/<key>.kvc``, the only
+        uploads this tier makes) begun more than ``older_than_s`` ago (by the server's clock,
+        compared with ours). Any other upload is left alone, whatever the prefix: with
+        ``prefix: ""`` the bucket's other applications upload beside it."""
         cutoff = time.time() - older_than_s
         stale = [(u["Key"], u["UploadId"]) for u in self._uploads()
-                 if u["Initiated"].timestamp() < cutoff]
+                 if self._own_chunk(u["Key"]) and u["Initiated"].timestamp() < cutoff]
         for key, upload_id in stale:
             with self._call("aborting a stale upload"):
                 try:
@@ -261,9 +292,13 @@ class S3Tier(SharedTier):
                         raise
         return len(stale)
 
+    def _own_chunk(self, key: str) -> bool:
+        top = f"{self.prefix}chunks/"
+        return key.startswith(top) and _parse_chunk(key[len(top) :]) is not None
+
     def _uploads(self) -> Iterator[dict[str, Any]]:
         paginator = self._client.get_paginator("list_multipart_uploads")
-        pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix))
+        pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}chunks/"))
         while True:
             with self._call("listing unfinished uploads"):
                 page = next(pages, None)
@@ -283,6 +318,10 @@ class S3Tier(SharedTier):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _is_note_name(name: str) -> bool:
+    return NOTE_NAME.fullmatch(name) is not None and ".." not in name
 
 
 def _parse_chunk(rest: str) -> tuple[bytes, ChunkKey] | None:

@@ -3,7 +3,7 @@
 :class:`ViewStream` hands a PUT the slot itself: botocore hashes it (SigV4 over plain HTTP)
 and urllib3 sends it in blocks, each a slice of the memoryview, never a ``bytes`` copy; it is
 seekable, so a retried PUT rewinds it. :func:`read_body_into` streams a GET's body straight
-into the destination view.
+into the destination view; :func:`read_bounded` reads a small one (a note) no further than a cap.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from kvtier.errors import ChunkTooLarge, TierIOError
+from kvtier.errors import ChunkTooLarge, NoteTooLarge, TierIOError
 
 
 class ViewStream(io.RawIOBase):
@@ -69,5 +69,25 @@ def read_body_into(body: Any, size: int, dst: memoryview, what: str) -> int:
                 raise TierIOError(f"{what}: the body ended after {got} of {size} bytes")
             got += n
         return got
+    finally:
+        body.close()
+
+
+def read_bounded(body: Any, size: int, max_bytes: int, what: str) -> bytes:
+    """A GET body of ``size`` bytes (its ContentLength) as bytes; the body is closed.
+
+    A body over ``max_bytes`` raises NoteTooLarge before a byte is read (the connection is
+    dropped, not drained); no more than ``max_bytes + 1`` bytes are read whatever the
+    server sends.
+    """
+    try:
+        if size > max_bytes:
+            raise NoteTooLarge(f"{what}: the object holds {size} bytes, more than the "
+                               f"{max_bytes} a note may (not read)")
+        data = bytes(body.read(max_bytes + 1))
+        if len(data) > max_bytes:
+            raise NoteTooLarge(f"{what}: the body ran past its {size} bytes and the "
+                               f"{max_bytes} a note may")
+        return data
     finally:
         body.close()
