@@ -38,11 +38,11 @@ from kvtier.tiers.files import (
     Entry,
     FileIO,
     FileOptions,
-    Skipped,
     choose_o_direct,
     os_errors,
     temp_name,
 )
+from kvtier.tiers.skips import Skipped
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ import os
 import secrets
 import socket
 import stat
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -281,32 +280,6 @@ def entries(root: str, parts: Sequence[str], *, with_stat: bool = False) -> Iter
     finally:
         os.close(folder)
 
-
-class Skipped:
-    """Entries a listing passed over: of the wrong type, or a name that does not parse.
-
-    Counted (``total``) and logged when the number one listing finds changes, not per entry
-    nor per listing: a stray file lying there for a week is one line, not ten thousand."""
-
-    _MAX_PLACES = 4096
-
-    def __init__(self, tier: str) -> None:
-        self.tier = tier
-        self.total = 0
-        self._last: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def report(self, where: str, count: int, example: str = "") -> None:
-        with self._lock:
-            self.total += count
-            if len(self._last) >= self._MAX_PLACES:
-                self._last.clear()
-            changed = self._last.get(where, 0) != count
-            self._last[where] = count
-        if changed and count:
-            log.warning("%s tier: skipped %d entries in %s that are not what belongs there "
-                        "(a link, a FIFO, a folder or file in the other's place, or a name "
-                        "that does not parse), e.g. %.80r", self.tier, count, where, example)
 
 
 # ---------------------------------------------------------------------- chunk files

@@ -33,7 +33,7 @@ from kvtier.errors import ConfigError, NoteTooLarge
 from kvtier.keys import ChunkKey
 from kvtier.tiers import files
 from kvtier.tiers.base import Space, StoredChunk
-from kvtier.tiers.files import FileIO, FileOptions, Skipped, choose_o_direct, os_errors, temp_name
+from kvtier.tiers.files import FileIO, FileOptions, choose_o_direct, os_errors, temp_name
 from kvtier.tiers.shared import (
     CHUNK_FILE,
     MAX_LISTED_NOTES,
@@ -45,6 +45,7 @@ from kvtier.tiers.shared import (
     namespace_hex,
     split_options,
 )
+from kvtier.tiers.skips import Skipped
 
 FsOptions = FileOptions
 _SHARD = re.compile(r"[0-9a-f]{2}")

@@ -40,7 +40,6 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import StoredChunk
 from kvtier.tiers.redis_client import Calls, make_client
 from kvtier.tiers.redis_index import (
-    Skips,
     hex_member,
     is_wrongtype,
     mtime_of,
@@ -66,6 +65,7 @@ from kvtier.tiers.shared import (
     namespace_hex,
     split_options,
 )
+from kvtier.tiers.skips import Skips
 
 log = logging.getLogger(__name__)
 BAD_NAMESPACE = "namespace members that are not 64 hex digits"

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import threading
-from collections import Counter
 
 from kvtier.tiers.shared import NOTE_NAME
 
@@ -65,43 +63,3 @@ def is_wrongtype(exc: object) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE")
 
 
-class Skips:
-    """Bad entries skipped, by kind. A kind is logged when it appears and again when a
-    complete pass meets none of it, never once per entry (a listing may skip thousands)."""
-
-    def __init__(self, tier: str) -> None:
-        self.tier = tier
-        self.counts: Counter[str] = Counter()
-        self._present: set[str] = set()
-        self._lock = threading.Lock()  # the tier's I/O threads skip concurrently
-
-    def add(self, kind: str, n: int = 1, where: str = "") -> None:
-        if n <= 0:
-            return
-        with self._lock:
-            self.counts[kind] += n
-            new = kind not in self._present
-            self._present.add(kind)
-        if new:
-            log.warning("tier %s: skipping %s%s (written by another program or a faulty "
-                        "peer; counted, logged again only once it is gone)", self.tier, kind,
-                        f" in {where}" if where else "")
-
-    def snapshot(self) -> Counter[str]:
-        """The counts now, for :meth:`settle` at the end of a complete pass."""
-        with self._lock:
-            return Counter(self.counts)
-
-    def settle(self, before: Counter[str], kinds: tuple[str, ...]) -> None:
-        """A complete pass over every entry of ``kinds`` began at ``before``: the kinds it
-        met none of are gone."""
-        with self._lock:
-            gone = sorted(k for k in kinds if k in self._present
-                          and self.counts[k] == before[k])
-            self._present.difference_update(gone)
-        for kind in gone:
-            log.info("tier %s: no more %s (%d skipped in all)", self.tier, kind,
-                         self.counts[kind])
-
-    def total(self) -> int:
-        return sum(self.counts.values())

@@ -26,7 +26,6 @@ from kvtier.config import TierConfig
 from kvtier.errors import TierIOError, TierTimeout
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import StoredChunk
-from kvtier.tiers.redis_index import Skips
 from kvtier.tiers.s3_client import make_client
 from kvtier.tiers.s3_errors import error_code, is_missing, s3_errors
 from kvtier.tiers.s3_options import parse_s3_options
@@ -41,6 +40,7 @@ from kvtier.tiers.shared import (
     check_note_name,
     chunk_name,
 )
+from kvtier.tiers.skips import Skips
 
 log = logging.getLogger("kvtier.tiers")
 STRAY_OBJECT = "objects under chunks/ that are not chunks"
