@@ -13,10 +13,11 @@ import os
 import subprocess
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -41,6 +42,7 @@ TOKENS = 16
 CHUNK_BYTES = stored_size(PAYLOAD)
 """Bytes one test chunk occupies in a slot or a file (header page + one payload page)."""
 
+T = TypeVar("T")
 _arena_ids = itertools.count()
 
 
@@ -247,3 +249,17 @@ def small_filesystem(path: Path, size_bytes: int) -> Iterator[Path]:
 def remount(path: Path, mode: str) -> None:
     """Make a mounted tmpfs read-only (``ro``) or writable again (``rw``)."""
     subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True, timeout=30)
+
+
+def peak_bytes(call: Callable[[], T]) -> tuple[T | BaseException, int]:
+    """What ``call`` returned (or raised) and the most memory Python held meanwhile: a
+    value read whole shows here, one refused before it is read does not."""
+    tracemalloc.start()
+    try:
+        try:
+            result: T | BaseException = call()
+        except Exception as exc:
+            result = exc
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

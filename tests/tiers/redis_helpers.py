@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import tracemalloc
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from service_fixtures import ALLOW_MISSING
@@ -24,7 +22,6 @@ from kvtier.tiers.redis import RedisTier
 FAST = {"socket_timeout_s": 1.0, "connect_timeout_s": 0.5}
 
 
-T = TypeVar("T")
 
 
 def redis_tier(url: str, name: str = "shared", *, capacity_bytes: int = 1 << 30,
@@ -39,17 +36,3 @@ def redis_tier(url: str, name: str = "shared", *, capacity_bytes: int = 1 << 30,
 def plain(server: RedisServer) -> redis.Redis:
     """redis-py straight to the server, as another program (or an operator) would use it."""
     return redis.Redis.from_url(server.url, retry=Retry(NoBackoff(), 0))
-
-
-def peak_bytes(call: Callable[[], T]) -> tuple[T | BaseException, int]:
-    """What ``call`` returned (or raised) and the most memory Python held meanwhile: a
-    value read whole shows here, one refused before it is read does not."""
-    tracemalloc.start()
-    try:
-        try:
-            result: T | BaseException = call()
-        except Exception as exc:
-            result = exc
-        return result, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()

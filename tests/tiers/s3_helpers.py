@@ -3,16 +3,12 @@ config) and the tier's options."""
 
 from __future__ import annotations
 
-import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kvtier.config import TierConfig
 from kvtier.services import S3Credentials
 from kvtier.tiers.s3 import S3Tier
-
-T = TypeVar("T")
 
 
 def key_file(folder: Path, credentials: S3Credentials, *, secret: str | None = None,
@@ -85,17 +81,3 @@ def make_certificates(folder: Path, hosts: list[str]) -> tuple[Path, Path, Path]
         subprocess.run(["openssl", *map(str, step)], check=True, capture_output=True,
                        timeout=30)
     return ca, cert, key
-
-
-def peak_bytes(call: Callable[[], T]) -> tuple[T | BaseException, int]:
-    """What ``call`` returned (or raised) and the most memory Python held meanwhile: a
-    value read whole shows here, one refused before it is read does not."""
-    tracemalloc.start()
-    try:
-        try:
-            result: T | BaseException = call()
-        except Exception as exc:
-            result = exc
-        return result, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()

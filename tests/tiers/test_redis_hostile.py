@@ -18,6 +18,7 @@ from store_helpers import (
     expected,
     keys,
     load,
+    peak_bytes,
     settle,
     store_chunks,
     store_of,
@@ -30,7 +31,7 @@ from kvtier.services import RedisServer
 from kvtier.tiers.redis_memory import footprint
 
 from .conformance import NAMESPACE, key_of, page_buffer, read_back, sealed_chunk
-from .redis_helpers import FAST, peak_bytes, plain, redis_tier
+from .redis_helpers import FAST, plain, redis_tier
 
 pytestmark = pytest.mark.services
 

@@ -24,6 +24,7 @@ from store_helpers import (
     expected,
     keys,
     load,
+    peak_bytes,
     settle,
     store_chunks,
     store_of,
@@ -35,7 +36,7 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.shared import chunk_name
 
 from .conformance import NAMESPACE, key_of, page_buffer, read_back, sealed_chunk
-from .s3_helpers import key_file, peak_bytes, s3_tier
+from .s3_helpers import key_file, s3_tier
 
 pytestmark = pytest.mark.services
 
