@@ -258,3 +258,71 @@ def test_a_prompt_sent_twice_lands_on_both_and_the_second_loads_the_shared_tier(
     _, metrics, _ = call(f"{url}/metrics")
     assert 'kvtier_router_hit_source_total{actual="shared",predicted="shared"} 1.0' in metrics
     assert 'kvtier_router_decisions_total{reason="load",strategy="cache"}' in metrics
+
+
+def start_router(root: Path, instances: list[Instance], *extra: str
+                 ) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = root / f"route-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier", "route", "--strategy", "cache",
+             "--backends", ",".join(i.url for i in instances),
+             "--kvtier-servers", ",".join(i.node_url for i in instances),
+             "--port", str(port), "--health-interval-s", "0.5", *extra],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if call(f"{url}/health", timeout=5)[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            stop(proc)
+            raise RuntimeError(log.read_text()[-3000:])
+        time.sleep(0.2)
+
+
+def len_prompt(answer: dict[str, Any]) -> int:
+    return int(answer["kv_transfer_params"]["kvtier"]["prompt_tokens"])
+
+
+def test_tenant_b_never_loads_or_learns_of_tenant_as_prefix(
+        stack: tuple[list[Instance], str], tmp_path: Path) -> None:
+    """The hostile tenant, through real engines: B sends A's prompt word for word (and A's
+    own cache salt) and gets the same text, computed from scratch, with nothing about A."""
+    instances, _url = stack
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"tenants": {
+        "alice": {"api_keys": ["key-of-alice-0123456789"], "may_see_tier_details": True},
+        "bob": {"api_keys": ["key-of-bob-9876543210"], "may_see_tier_details": True},
+        "carol": {"api_keys": ["key-of-carol-5555555555"]}}}))
+    tenants.chmod(0o600)
+    router, url = start_router(tmp_path, instances, "--tenants-file", str(tenants))
+    body = {"model": MODEL, "prompt": "Tenant story: " + PROMPT, "max_tokens": 8,
+            "temperature": 0.0, "cache_salt": "shared-salt"}
+
+    def ask(key: str) -> dict[str, Any]:
+        status, doc, _ = call(f"{url}/v1/completions", body, {"Authorization": f"Bearer {key}"})
+        assert status == 200, doc
+        return dict(doc)
+
+    try:
+        first = ask("key-of-alice-0123456789")
+        again = ask("key-of-alice-0123456789")
+        bob = ask("key-of-bob-9876543210")
+        carol = ask("key-of-carol-5555555555")
+    finally:
+        stop(router)
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 256, "alice's second request hits her own cache"
+    assert bob["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, \
+        "bob's identical prompt, with alice's client salt, reuses nothing of hers"
+    bob_tokens = bob["kv_transfer_params"]["kvtier"]["tokens"]
+    assert bob_tokens["device"] == 0 and bob_tokens["recomputed"] == len_prompt(bob), \
+        bob_tokens
+    assert bob["choices"][0]["text"] == first["choices"][0]["text"], "same text, recomputed"
+    assert (carol.get("kv_transfer_params") or {}).get("kvtier") is None, \
+        "a tenant not allowed tier details gets none"
