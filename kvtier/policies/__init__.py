@@ -18,6 +18,7 @@ EVICTION: Registry[Algorithm[Hashable]] = Registry("eviction policy")
 EVICTION.register("lru", "kvtier.policies.lru:LRU")
 EVICTION.register("arc", "kvtier.policies.arc:ARC")
 EVICTION.register("s3fifo", "kvtier.policies.s3fifo:S3FIFO")
+EVICTION.register("prefix", "kvtier.policies.prefix:PrefixAware")
 
 ADMISSION: Registry[AdmissionPolicy] = Registry("admission rule")
 ADMISSION.register("always", "kvtier.policies.admission:Always")

@@ -14,6 +14,11 @@ priority present first, so a chunk at priority 80 outlives any number of chunks 
 changes nothing. Keys for which ``protected(key)`` is true (leased, being written or read)
 are never returned.
 
+Chunks form prefix chains: a chunk is servable only while every chunk before it is. A caller
+that knows the chunk before a key passes it as ``insert(key, parent=...)``; algorithms that
+order by chain (``prefix``) use it, the others ignore it. :meth:`EvictionPolicy.unreachable`
+counts tracked keys whose parent is not tracked: data a lookup of this tier alone cannot reach.
+
 An :class:`AdmissionPolicy` says whether a chunk may be written to a lower tier at all; it
 sees every use of a key through :meth:`AdmissionPolicy.record`.
 """
@@ -64,9 +69,20 @@ class Algorithm(ABC, Generic[K]):
     def remove(self, key: K) -> None:
         """Forget a present key that left for another reason (deleted, corrupt, moved)."""
 
+    def insert_after(self, key: K, parent: K) -> None:
+        """Add ``key`` whose chain parent is ``parent`` (which may be absent from this
+        bucket). Default: the hint is ignored."""
+        self.insert(key)
+
     @abstractmethod
     def victims(self) -> Iterator[K]:
         """Present keys in the order this algorithm would evict them. Must not mutate."""
+
+    def victims_for(self, protected: Callable[[K], bool]) -> Iterator[K]:
+        """The unprotected keys of :meth:`victims`, in order; each is evicted if the caller
+        reaches the next one. Algorithms whose order depends on which keys leave (a parent
+        follows its last child) override it. Must not mutate."""
+        return (key for key in self.victims() if not protected(key))
 
     @abstractmethod
     def evicted(self, key: K) -> None:
@@ -87,12 +103,20 @@ class EvictionPolicy(Generic[K]):
         self.capacity = capacity
         self._buckets: dict[int, Algorithm[K]] = {}
         self._priority: dict[K, int] = {}
+        self._parent: dict[K, K] = {}
+        """The chain parent of each tracked key inserted with one."""
 
-    def insert(self, key: K, priority: int = DEFAULT_PRIORITY) -> None:
-        """Track a newly stored key. Raises KeyError if it is already tracked."""
+    def insert(self, key: K, priority: int = DEFAULT_PRIORITY, parent: K | None = None) -> None:
+        """Track a newly stored key, after ``parent`` in its prefix chain if given. Raises
+        KeyError if it is already tracked."""
         if key in self._priority:
             raise KeyError(f"key already tracked by the eviction policy: {key!r}")
-        self._bucket(check_priority(priority)).insert(key)
+        bucket = self._bucket(check_priority(priority))
+        if parent is None or parent == key:  # a chunk cannot follow itself: no hint
+            bucket.insert(key)
+        else:
+            bucket.insert_after(key, parent)
+            self._parent[key] = parent
         self._priority[key] = priority
 
     def touch(self, key: K) -> None:
@@ -106,6 +130,7 @@ class EvictionPolicy(Generic[K]):
         priority = self._priority.pop(key, None)
         if priority is not None:
             self._buckets[priority].remove(key)
+            self._parent.pop(key, None)
 
     def set_priority(self, key: K, priority: int) -> None:
         """Move a tracked key to another priority (it counts as a hit there)."""
@@ -114,7 +139,11 @@ class EvictionPolicy(Generic[K]):
         if old is None or old == priority:
             return
         self._buckets[old].remove(key)
-        self._bucket(priority).insert(key)
+        parent = self._parent.get(key)
+        if parent is None:
+            self._bucket(priority).insert(key)
+        else:
+            self._bucket(priority).insert_after(key, parent)
         self._priority[key] = priority
 
     def priority(self, key: K) -> int | None:
@@ -128,21 +157,22 @@ class EvictionPolicy(Generic[K]):
         """
         if n <= 0:
             return []
+        if n == 1 and len(self._buckets) == 1:  # the common case, without the general walk
+            for priority, bucket in self._buckets.items():
+                for key in bucket.victims_for(protected):
+                    return self._forget([(priority, key)])
+            return None
         chosen: list[tuple[int, K]] = []
         for priority in sorted(self._buckets):
-            for key in self._buckets[priority].victims():
-                if not protected(key):
-                    chosen.append((priority, key))
-                    if len(chosen) == n:
-                        break
+            for key in self._buckets[priority].victims_for(protected):
+                chosen.append((priority, key))
+                if len(chosen) == n:
+                    break
             if len(chosen) == n:
                 break
         if len(chosen) < n:
             return None
-        for priority, key in chosen:
-            self._buckets[priority].evicted(key)
-            del self._priority[key]
-        return [key for _, key in chosen]
+        return self._forget(chosen)
 
     def evict_bytes(self, need: int, size_of: Callable[[K], int],
                     protected: Callable[[K], bool] = lambda _: False) -> list[K] | None:
@@ -154,20 +184,45 @@ class EvictionPolicy(Generic[K]):
         chosen: list[tuple[int, K]] = []
         freed = 0
         for priority in sorted(self._buckets):
-            for key in self._buckets[priority].victims():
+            for key in self._buckets[priority].victims_for(protected):
                 if freed >= need:
                     break
-                if not protected(key):
-                    chosen.append((priority, key))
-                    freed += size_of(key)
+                chosen.append((priority, key))
+                freed += size_of(key)
             if freed >= need:
                 break
         if freed < need:
             return None
+        return self._forget(chosen)
+
+    def _forget(self, chosen: list[tuple[int, K]]) -> list[K]:
         for priority, key in chosen:
             self._buckets[priority].evicted(key)
             del self._priority[key]
+            self._parent.pop(key, None)
         return [key for _, key in chosen]
+
+    def unreachable(self, held_elsewhere: Callable[[K], bool] | None = None) -> int:
+        """Tracked keys that no lookup can reach: a chain parent (as hinted), or one of its
+        ancestors, is neither tracked here nor held elsewhere (``held_elsewhere``: where
+        else a lookup finds chunks, e.g. other tiers). The space holes waste. O(n)."""
+        reachable: dict[K, bool] = {}
+        for key in self._priority:
+            path: dict[K, None] = {}  # ordered, and a set for the loop check
+            k: K | None = key
+            while k is not None and k not in reachable:
+                if k not in self._priority:  # the chain leaves this tier here
+                    reachable[k] = held_elsewhere is not None and held_elsewhere(k)
+                    break
+                if k in path:  # hints in a loop are no chain (algorithms refuse it too)
+                    reachable[k] = True
+                    break
+                path[k] = None
+                k = self._parent.get(k)
+            ok = True if k is None else reachable[k]
+            for step in path:
+                reachable[step] = ok
+        return sum(1 for key in self._priority if not reachable[key])
 
     def order(self) -> list[K]:
         """Every tracked key in eviction order (for tests and admin views)."""

@@ -47,10 +47,12 @@ class ArenaIndex:
         """Track ``entry`` in the eviction order (a promotion joins it at lease time)."""
         self.policy.insert(entry.key, entry.priority)
 
-    def publish(self, entry: Entry) -> None:
-        """The slot's payload is complete: the chunk is servable (and evictable)."""
+    def publish(self, entry: Entry, parent: ChunkKey | None = None) -> None:
+        """The slot's payload is complete: the chunk is servable (and evictable). ``parent``:
+        the chunk before it in its prefix chain, when the caller knows it (policy hint)."""
         if entry.key not in self.policy:
-            self.policy.insert(entry.key, entry.priority)  # first: it may raise, publish not
+            # first: it may raise, publish not
+            self.policy.insert(entry.key, entry.priority, parent)
         self.arena.publish(entry.slot)
         entry.where = Where.READY
         if self.events is not None:

@@ -160,15 +160,16 @@ class LowerTierState:
         return self.sizes[key]  # type: ignore[index]
 
     def added(self, key: ChunkKey, size: int, promised: int, priority: int,
-              namespace: bytes) -> None:
-        """A write of ``key`` finished: account it and make it evictable."""
+              namespace: bytes, parent: ChunkKey | None = None) -> None:
+        """A write of ``key`` finished: account it and make it evictable (``parent``: the
+        chunk before it in its prefix chain, a policy hint, when the caller knows it)."""
         self.reserved -= promised
         if key in self.sizes:  # indexed meanwhile (e.g. found by a listing)
             self.forget(key)
         self.sizes[key] = size
         self.namespaces[key] = self._interned.setdefault(namespace, namespace)
         self.used += size
-        self.policy.insert(key, priority)
+        self.policy.insert(key, priority, parent)
         self._event(STORED, namespace, key)
 
     def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:

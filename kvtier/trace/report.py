@@ -137,7 +137,7 @@ def simulation_text(result: SimResult, bytes_per_token: int | None) -> str:
     c = result.counts
     return "\n".join([
         table(["tier", "capacity", "eviction", "admission", "write", "hits", "hit ratio",
-               "written", "read", "evictions"], rows),
+               "written", "read", "evictions", "unreachable"], rows),
         f"all tiers  block hit ratio {pct(c.block_hit_ratio)}, token hit ratio "
         f"{pct(c.token_hit_ratio)}; recomputed {num(c.recomputed_tokens)} of "
         f"{num(c.prompt_tokens)} prompt tokens",
@@ -151,7 +151,7 @@ def _tier_row(t: TierResult, bt: int, bpt: int | None) -> list[str]:
     return [t.name, _capacity(t.capacity_chunks, bt, bpt), t.eviction,
             _rules(t.admission) if lower else "-", t.write if lower else "-", num(t.hits),
             pct(t.hit_ratio), _moved(t.blocks_written, t.bytes_written),
-            _moved(t.blocks_read, t.bytes_read), num(t.evictions)]
+            _moved(t.blocks_read, t.bytes_read), num(t.evictions), num(t.unreachable)]
 
 
 def sweep_text(points: Sequence[SweepPoint], block_tokens: int, bpt: int | None) -> str:

@@ -25,6 +25,8 @@ class TierResult:
     bytes_written: int | None
     bytes_read: int | None
     evictions: int
+    unreachable: int = 0
+    """Chunks held at the end whose chain parent no tier holds: space a hole wasted."""
 
 
 @dataclass(frozen=True)

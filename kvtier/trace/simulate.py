@@ -99,8 +99,9 @@ class _Tier:
     hits: int = 0
     written: int = 0
     evictions: int = 0
-    writing: dict[Hashable, None] = field(default_factory=dict)
-    """Copies the current operation started, in order; they land when it ends."""
+    writing: dict[Hashable, Hashable | None] = field(default_factory=dict)
+    """Copies the current operation started, in order, with each chunk's chain parent; they
+    land when it ends."""
     deleting: set[Hashable] = field(default_factory=set)
     """Chunks the current operation evicted from this lower tier: not written again until
     their delete has run, when the operation ends (the store's ``TierState.deleting``)."""
@@ -155,8 +156,9 @@ class Simulator:
         self.back = [t for t in self.lower if t.spec.write == "back"]
         self.recorders = [t for t in self.lower if t.records]
         self.counts = HitCounts()
-        self._depth: dict[Hashable, int] = {}
-        """Block index in its request, for write-back admission; kept while in host."""
+        self._depth: dict[Hashable, tuple[int, Hashable | None]] = {}
+        """Block index in its request (for write-back admission) and chain parent; kept
+        while in host."""
         self._demoting: dict[Hashable, bool] = {}
         """Host victims being written back: their slots are free once the step ends, unless
         (True) a write-through copy started meanwhile still reads them: then they stay."""
@@ -203,11 +205,11 @@ class Simulator:
             if source is None:
                 host.touch(block)
                 self.host.hits += 1
-                self._write_through(block, j, lease)
+                self._write_through(blocks, j, lease)
             else:
                 source.policy.touch(block)
                 source.hits += 1
-                self._put_host(block, j)
+                self._put_host(blocks, j)
                 served[j] = source.spec.name
         self._complete_io()
         return served
@@ -229,26 +231,27 @@ class Simulator:
                 self._record(block)
             if block in host:
                 host.touch(block)
-                self._write_through(block, j, lease)
+                self._write_through(blocks, j, lease)
             elif block in self._demoting:  # still in its slot, on its way down: servable
-                self._demoting[block] = self._write_through(block, j, lease)
+                self._demoting[block] = self._write_through(blocks, j, lease)
             elif self._host_room(lease, pending=len(pending)):
                 pending.append(j)
         self._complete_io()
         lease = _Lease()  # the reserve's copies have landed
         for j in reversed(pending):  # commit inserts tail first
-            self._put_host(blocks[j], j)
-            self._write_through(blocks[j], j, lease)
+            self._put_host(blocks, j)
+            self._write_through(blocks, j, lease)
         self._free_ahead(lease)
         self._complete_io()
 
-    def _write_through(self, block: Hashable, index: int, lease: _Lease) -> bool:
-        """Copy ``block`` to each write-through tier that lacks and admits it; True if any
-        copy was started."""
+    def _write_through(self, blocks: tuple[BlockId, ...], index: int, lease: _Lease) -> bool:
+        """Copy ``blocks[index]`` to each write-through tier that lacks and admits it; True
+        if any copy was started."""
         started = False
+        block = blocks[index]
         for tier in self.through:
             if (self._lacks(tier, block) and self._admits(tier, block, index)
-                    and self._insert(tier, block, lease)):
+                    and self._insert(tier, block, _parent(blocks, index), lease)):
                 lease.held.add(block)  # its slot is being read: the store pins it
                 started = True
         return started
@@ -265,13 +268,13 @@ class Simulator:
         after the operation that started it)."""
         for tier in self.lower:
             if tier.writing:
-                for block in tier.writing:
-                    tier.policy.insert(block, DEFAULT_PRIORITY)
+                for block, parent in tier.writing.items():
+                    tier.policy.insert(block, DEFAULT_PRIORITY, parent)
                 tier.writing.clear()
             tier.deleting.clear()
         for block, still_read in self._demoting.items():
             if still_read:  # the store's _demoted: back into the host's eviction order
-                self.host.policy.insert(block, DEFAULT_PRIORITY)
+                self.host.policy.insert(block, DEFAULT_PRIORITY, self._depth[block][1])
             else:
                 del self._depth[block]
         self._demoting.clear()
@@ -282,17 +285,19 @@ class Simulator:
             for rule in tier.rules:
                 rule.record(key)
 
-    def _put_host(self, block: Hashable, index: int) -> None:
-        self.host.policy.insert(block, DEFAULT_PRIORITY)
+    def _put_host(self, blocks: tuple[BlockId, ...], index: int) -> None:
+        block, parent = blocks[index], _parent(blocks, index)
+        self.host.policy.insert(block, DEFAULT_PRIORITY, parent)
         self.host.written += 1
         if self.back:
-            self._depth[block] = index
+            self._depth[block] = (index, parent)
 
-    def _insert(self, tier: _Tier, block: Hashable, lease: _Lease) -> bool:
+    def _insert(self, tier: _Tier, block: Hashable, parent: Hashable | None,
+                lease: _Lease) -> bool:
         """Start a copy of ``block`` to lower ``tier`` if room can be made for it."""
         if not self._lower_room(tier, lease):
             return False
-        tier.writing[block] = None
+        tier.writing[block] = parent
         tier.written += 1
         return True
 
@@ -345,11 +350,11 @@ class Simulator:
         copy was started (the victim then keeps its slot until the step ends)."""
         if not self.back:
             return False
-        index = self._depth[block]
+        index, parent = self._depth[block]
         started = False
         for tier in self.back:
             if self._lacks(tier, block) and self._admits(tier, block, index):
-                started = self._insert(tier, block, lease) or started
+                started = self._insert(tier, block, parent, lease) or started
         if started:
             self._demoting[block] = False
         else:
@@ -369,6 +374,9 @@ class Simulator:
         counts = replace(self.counts)
         return SimResult(counts, tiers, self.block_tokens, self.block_bytes, elapsed_s)
 
+    def _held(self, block: Hashable) -> bool:
+        return any(block in t.policy for t in self.tiers)
+
     def _tier_result(self, tier: _Tier) -> TierResult:
         total = self.counts.prompt_blocks
         size = self.block_bytes
@@ -385,7 +393,13 @@ class Simulator:
             bytes_written=None if size is None else tier.written * size,
             bytes_read=None if size is None else tier.hits * size,
             evictions=tier.evictions,
+            unreachable=tier.policy.unreachable(self._held),
         )
+
+
+def _parent(blocks: tuple[BlockId, ...], index: int) -> BlockId | None:
+    """The chunk before ``blocks[index]`` in its chain (the policy's ``parent`` hint)."""
+    return blocks[index - 1] if index else None
 
 
 def _reading_from(tier: _Tier, lease: _Lease) -> Callable[[Hashable], bool]:

@@ -36,11 +36,11 @@ def never(key: Hashable) -> bool:
 
 
 def test_every_built_in_algorithm_is_registered() -> None:
-    assert set(EVICTION) == {"lru", "arc", "s3fifo"}
+    assert set(EVICTION) == {"lru", "arc", "s3fifo", "prefix"}
 
 
 def test_unknown_algorithm_lists_the_known_ones() -> None:
-    with pytest.raises(UnknownBackendError, match="known: arc, lru, s3fifo"):
+    with pytest.raises(UnknownBackendError, match="known: arc, lru, prefix, s3fifo"):
         make_eviction("mru", CAPACITY)
 
 
