@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: setup system-deps demo serve test lint unit e2e bench clean
+.PHONY: setup system-deps demo serve test lint unit e2e faults bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,10 +39,14 @@ unit: setup
 	$(VENV)/bin/pytest -q -m "not vllm"
 
 e2e: setup
-	$(VENV)/bin/pytest -q -m vllm
+	$(VENV)/bin/pytest -q -m "vllm and not faults"
+
+# The stack's fault tests (issue 19): kill -9 of each part of a 2-instance stack under load.
+faults: setup
+	$(VENV)/bin/pytest -q -m faults
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -m "not faults"
 
 bench: setup
 	$(VENV)/bin/kvtier bench micro

@@ -63,3 +63,21 @@ def stop_group(popen: subprocess.Popen[bytes], timeout_s: float,
     signal_group(pgid, signal.SIGKILL)
     popen.wait(timeout=30)
     return popen.returncode
+
+
+def child_groups(pid: int) -> set[int]:
+    """Process groups led by children of ``pid`` that left its group (a child started in a
+    session of its own, as ``kvtier serve`` starts vLLM): what to stop besides ``pid``'s own
+    group, noted while ``pid`` lives (once it dies, its children are no longer its)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and int(fields[1]) == pid and int(fields[2]) != pid:
+            out.add(int(fields[2]))
+    return out

@@ -8,9 +8,11 @@
     health monitor: /health, /v1/models, /metrics of each backend; /v1/namespaces of each
     node server, every --health-interval-s
 
-``/v1/*`` needs ``Authorization: Bearer KEY`` when a key is configured (the key names the
-client's tenant, :mod:`kvtier.router.tenants`); ``/health`` and ``/metrics`` do not (as in
-vLLM). A body over ``max_body_bytes`` gets 413 before it is read whole; a tenant's body gets
+``/v1/*`` and ``/kvtier/backends`` (who is behind the router, for ``kvtier verify --url``:
+internal addresses, so not for anyone) need ``Authorization: Bearer KEY`` when a key is
+configured (the key names the client's tenant, :mod:`kvtier.router.tenants`); ``/health`` and
+``/metrics`` do not (as in vLLM).
+A body over ``max_body_bytes`` gets 413 before it is read whole; a tenant's body gets
 its cache salt and priority cap before routing. Backend and node-server URLs are shown with
 their credentials redacted (:mod:`kvtier.router.redact`). On :meth:`Router.drain` the router
 stops listening, answers new requests on open connections with 503, and waits for the
@@ -23,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -37,6 +40,7 @@ from kvtier.router.history import DeviceHistory
 from kvtier.router.keys import Renderers
 from kvtier.router.lookup import NodeLookups
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.parts import PartsCollector
 from kvtier.router.proxy import (
     BACKEND_HEADER,
     BackendFailed,
@@ -44,13 +48,15 @@ from kvtier.router.proxy import (
     forward,
     outgoing_headers,
 )
-from kvtier.router.redact import Scrubber, ScrubFilter, userinfo
+from kvtier.router.redact import Scrubber, ScrubFilter, redact_url, userinfo
 from kvtier.router.request import ENDPOINTS, BodyTooLarge, RoutedRequest, read_body
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
 from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
 
 log = logging.getLogger("kvtier.router")
 TENANT = web.RequestKey("tenant", Tenant)
+BACKENDS_PATH = "/kvtier/backends"
+"""Behind the API key like /v1/* (it tells what /metrics' labels tell, plus node URLs)."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -58,6 +64,8 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        if config.parts_file:
+            self.metrics.registry.register(PartsCollector(Path(config.parts_file)))
         self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens)
         self.pool = BackendPool(config)
         self.pool.listeners.append(self._on_health)
@@ -108,6 +116,7 @@ class Router:
                               client_max_size=self.config.max_body_bytes)
         app.router.add_get("/health", self._health_handler)
         app.router.add_get("/metrics", self._metrics_handler)
+        app.router.add_get(BACKENDS_PATH, self._backends_handler)
         app.router.add_get("/v1/models", self._models_handler)
         for path in ENDPOINTS:
             app.router.add_post(path, self._route_handler)
@@ -154,7 +163,7 @@ class Router:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path == BACKENDS_PATH:
             tenant = self.tenants.identify(request.headers.get("Authorization", ""))
             if tenant is None:
                 self.metrics.refused.labels("unauthorized").inc()
@@ -181,6 +190,14 @@ class Router:
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
+
+    async def _backends_handler(self, request: web.Request) -> web.Response:
+        """Who is behind the router (for ``kvtier verify --url``): each backend's URL, its
+        node server's, whether it is in rotation and why not; credentials redacted, as in
+        /metrics' labels."""
+        doc = [{"url": b.name, "node": redact_url(b.node_url) if b.node_url else None,
+                "up": b.healthy, "reason": b.reason} for b in self.pool]
+        return web.json_response({"backends": doc})
 
     async def _models_handler(self, request: web.Request) -> web.Response:
         seen: dict[str, dict[str, Any]] = {}

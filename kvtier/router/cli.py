@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cache strategy: a node server slower than this holds nothing")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
+    p.add_argument("--parts-file", metavar="FILE",
+                   help="a stack.json (kvtier serve --instances): /metrics shows its parts' "
+                   "states and restarts")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 

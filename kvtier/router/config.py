@@ -59,6 +59,8 @@ class RouterConfig:
     """From ``--tenants-file``; None: one open tenant (``api_key``, if set, is its key)."""
     node_token: str | None = None
     """Sent as ``Authorization: Bearer`` on every call to a node server's HTTP API."""
+    parts_file: str | None = None
+    """A stack.json whose parts' states /metrics shows (``kvtier serve --instances``)."""
 
     def __post_init__(self) -> None:
         if self.backend_api_key and any(userinfo(u) for u in self.backends):
@@ -107,7 +109,8 @@ class RouterConfig:
             cost=cost,
             max_body_bytes=int(_positive(args.max_body_bytes, "--max-body-bytes")),
             tenants=_tenants(args, api_key),
-            node_token=_first_secret(args.node_token_env, args.node_token_file, "node token"))
+            node_token=_first_secret(args.node_token_env, args.node_token_file, "node token"),
+            parts_file=getattr(args, "parts_file", None))
 
 
 def _tenants(args: argparse.Namespace, api_key: str | None) -> Tenants | None:

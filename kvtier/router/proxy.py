@@ -5,7 +5,9 @@
   starts only with the backend's first body byte, so a backend that dies before it (while
   prefilling) can still be replaced: that attempt raises :class:`BackendFailed`.
 - Any other answer is read whole and passed back with its status, headers and body — errors
-  included (a 400 or 500 from vLLM reaches the client as vLLM sent it).
+  included (a 400 or 500 from vLLM reaches the client as vLLM sent it) — except one that says
+  the backend did not serve it and cannot (a 503, or vLLM's 500 once its EngineCore died):
+  that attempt raises :class:`BackendFailed` too, so another backend serves the request.
 - A backend failing mid-stream cannot be hidden: the client gets an SSE error event and the
   connection is closed without the stream's end, so it knows the answer is cut.
 - For a tenant not allowed to see them, ``kv_transfer_params.kvtier`` is taken out of the
@@ -38,6 +40,8 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                         "transfer-encoding", "upgrade", "host", "content-length"})
 _NOT_BACK = HOP_BY_HOP | {"date", "server"}
 BACKEND_HEADER = "X-Kvtier-Backend"
+ENGINE_DEAD = (b"EngineDeadError", b"EngineCore encountered an issue")
+"""How vLLM 0.32 words an answer from an API server whose EngineCore is gone."""
 
 
 class BackendFailed(Exception):
@@ -119,6 +123,9 @@ async def _whole(resp: aiohttp.ClientResponse, backend_name: str,
         raise _timed_out(exc, "while answering") from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise BackendFailed(f"answer cut: {type(exc).__name__}: {exc}", down=True) from exc
+    if _unavailable(resp.status, body):
+        raise BackendFailed(f"answered {resp.status} without serving it: "
+                            f"{body[:120].decode(errors='replace')}", down=True)
     now = time.monotonic()
     on_first_byte(now)
     outcome = Outcome(resp.status, False, now, now, 1)
@@ -189,6 +196,13 @@ async def _cut(out: web.StreamResponse, client: web.Request,
         await out.write(f"data: {json.dumps(event)}\n\n".encode())
     if client.transport is not None:
         client.transport.close()  # no final chunk: the client sees a cut stream
+
+
+def _unavailable(status: int, body: bytes) -> bool:
+    """The backend did not serve the request and cannot: a 503, or vLLM's answer once its
+    EngineCore died (a 500 naming it; the API server exits soon after). Another backend
+    may serve it; this one is taken out until its health check passes again."""
+    return status == 503 or (status == 500 and any(m in body for m in ENGINE_DEAD))
 
 
 def _event_with_params(chunk: bytes) -> dict[str, Any] | None:

@@ -112,6 +112,18 @@ class Service(ABC):
             return self
         raise AssertionError("unreachable")
 
+    def answers(self) -> bool:
+        """One quick probe: does it serve requests now? (A paused one does not.)"""
+        return self.running and self._answers()
+
+    def exit_status(self) -> int | None:
+        """The last child's exit status (None: running, or never started)."""
+        return self._process.returncode() if self._process is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._process.log_path if self._process is not None else None
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``stop_timeout_s``; keeps the data for a later start."""
         if self._process is not None:

@@ -110,8 +110,27 @@ def run(args: argparse.Namespace) -> int:
     if state is not None:
         options = VerifyOptions.from_stack(state, **overrides)
     elif "url" in overrides:
+        _discover(overrides)
         options = VerifyOptions(**overrides)
     else:
         print("kvtier verify: give --url or --stack", file=sys.stderr)
         return 2
     return verify(options)
+
+
+def _discover(overrides: dict[str, Any]) -> None:
+    """Without --kvtier-servers and --backends, ask the entry point who is behind it (a
+    ``kvtier route`` answers ``/kvtier/backends``)."""
+    if overrides.get("kvtier_servers") or overrides.get("backends"):
+        return
+    from kvtier.verify.discover import discover
+
+    key = overrides.get("api_key")
+    found = discover(overrides["url"], {"Authorization": f"Bearer {key}"} if key else None)
+    if found is None:
+        return
+    print(f"kvtier verify: the router lists {len(found.backends)} instance(s)"
+          + (" and their node servers" if found.kvtier_servers else ""))
+    overrides["backends"] = found.backends
+    if found.kvtier_servers:
+        overrides["kvtier_servers"] = found.kvtier_servers

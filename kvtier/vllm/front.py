@@ -7,7 +7,8 @@
                --port P`` (``--router-policy``: the strategy, default ``cache``)
 ``vllm-router``  vLLM's Rust router from its own venv (:func:`kvtier.bench.peers.
                ensure_vllm_router`, installed on first use): ``vllm-router --worker-urls URL
-               URL --policy P --port P`` (default policy ``round_robin``)
+               URL --policy P --port P`` (default policy ``round_robin``), health-checking
+               its workers every 2 s (:data:`VLLM_ROUTER_HEALTH`)
 ``none``       no router: clients call the instances directly
 =============  ==============================================================================
 """
@@ -24,6 +25,13 @@ ROUTERS = ("kvtier", "vllm-router", "none")
 DEFAULT_POLICY = {"kvtier": "cache", "vllm-router": "round_robin", "none": ""}
 VLLM_ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two",
                         "consistent_hash", "sticky_least_loaded")
+
+
+VLLM_ROUTER_HEALTH = ("--health-check-interval-secs", "2", "--health-check-timeout-secs", "2",
+                      "--health-failure-threshold", "1", "--health-success-threshold", "1")
+"""A worker out on its first failed health check and back on its first good one, every 2 s
+(vllm-router's defaults: every 60 s, 3 failures to take one out): the stack restarts dead
+instances, and the router must route around them meanwhile."""
 
 
 def check_router(kind: str, policy: str) -> None:
@@ -43,19 +51,23 @@ def check_router(kind: str, policy: str) -> None:
 
 def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence[str],
                 node_urls: Sequence[str], install_log: Path, *,
-                node_token_file: str | None = None) -> list[str] | None:
+                node_token_file: str | None = None,
+                parts_file: Path | None = None) -> list[str] | None:
     """The router's command line (None for ``none``); installs vllm-router if needed.
     ``kvtier route`` reads the node token from ``$KVTIER_NODE_TOKEN`` (inherited) unless
-    ``node_token_file`` is given; vllm-router never asks node servers."""
+    ``node_token_file`` is given; vllm-router never asks node servers. ``parts_file``: the
+    stack.json whose parts' states ``kvtier route`` shows in its /metrics."""
     if kind == "none":
         return None
     if kind == "kvtier":
         argv = [sys.executable, "-m", "kvtier", "route", "--backends", ",".join(backends),
                 "--kvtier-servers", ",".join(node_urls), "--strategy", policy,
                 "--host", host, "--port", str(port)]
+        if parts_file is not None:
+            argv += ["--parts-file", str(parts_file)]
         return argv + (["--node-token-file", node_token_file] if node_token_file else [])
     from kvtier.bench.peers import ensure_vllm_router
 
     binary = ensure_vllm_router(log_file=install_log)
     return [str(binary), "--host", host, "--port", str(port), "--worker-urls", *backends,
-            "--policy", policy, "--log-level", "warning"]
+            "--policy", policy, "--log-level", "warning", *VLLM_ROUTER_HEALTH]

@@ -12,6 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.services.base import Service
 from kvtier.vllm.shared_spec import shared_tier
 from kvtier.vllm.summary import say
 
@@ -27,8 +28,9 @@ def check_local_shared(kind: str) -> None:
 
 
 def start_local_shared(kind: str, run_dir: Path, services: ExitStack
-                       ) -> tuple[str, dict[str, str]]:
-    """(SPEC, environment) for the instances; the service is registered in ``services``."""
+                       ) -> tuple[str, dict[str, str], Service]:
+    """(SPEC, environment for the instances, the service); the service is registered in
+    ``services`` (closed with it) and restarted by the stack's supervisor on its ports."""
     check_local_shared(kind)
     if kind == "s3":
         from kvtier.services import SeaweedFS
@@ -36,9 +38,9 @@ def start_local_shared(kind: str, run_dir: Path, services: ExitStack
         s3 = services.enter_context(SeaweedFS(workdir=run_dir / "seaweedfs"))
         say(f"  local SeaweedFS (S3) at {s3.endpoint}, data in {s3.data_dir}")
         env = s3.client_env()
-        return f"s3://{BUCKET}/stack?endpoint={s3.endpoint}&create_bucket=1", env
+        return f"s3://{BUCKET}/stack?endpoint={s3.endpoint}&create_bucket=1", env, s3
     from kvtier.services import RedisServer
 
     redis = services.enter_context(RedisServer(workdir=run_dir / "redis"))
     say(f"  local redis-server at {redis.url}")
-    return redis.url, {}
+    return redis.url, {}, redis

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from kvtier.vllm.serve import ServePlan
 
 READY_TIMEOUT_S = 900.0
+ORPHAN_GRACE_S = 5.0
+"""After vLLM's API server exited on its own, how long what it left (its EngineCore and
+workers) may take to go before SIGKILL."""
 STOP_TIMEOUT_S = 45.0
 """Under what those who stop ``kvtier serve`` wait before they SIGKILL its own group (60 s in
 a sweep, 90 s in a stack): vLLM's group is not theirs, so it must be gone by then."""
@@ -86,7 +89,9 @@ def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
             _stop(child)
     say("  Ctrl-C stops it.")
     child.wait()
-    rc = _stop(child)  # what it left behind in its group
+    # what it left behind in its group: on a Ctrl-C, time to stop in order; after a crash
+    # (the API server died on its own) only a short grace, so a supervisor sees it soon
+    rc = _stop(child) if stopping else stop_group(child, ORPHAN_GRACE_S)
     rc = rc if rc >= 0 else 128 - rc
     say(f"kvtier serve: vLLM exited (status {rc})")
     return rc

@@ -10,10 +10,13 @@
 Each instance is a single-instance ``kvtier serve`` child (vLLM plus the node server it hosts,
 as if on a node of its own), bound to a core of its own on the CPU build
 (``VLLM_CPU_OMP_THREADS_BIND=i``), logging to ``RUN_DIR/instance-i.log``. The router starts
-once every instance answers. One Ctrl-C (or SIGTERM) stops the router, then the instances
-(each by its process id, then whatever is left in its process group), then any local
-service started for ``--shared-local``. ``RUN_DIR/stack.json`` lists every URL, for ``kvtier
-verify --stack``.
+once every instance answers (or was given up on). Every part — instance, router, local
+service — is supervised (:mod:`kvtier.vllm.supervise`): one that exits or stops answering
+is restarted alone, with backoff, until it fails too often and is given up; the rest keeps
+serving. One Ctrl-C (or SIGTERM) stops the router, then the instances (each by its process id,
+then whatever is left in its process groups), then any local service started for
+``--shared-local``. ``RUN_DIR/stack.json`` lists every URL and every part's state, for
+``kvtier verify --stack`` and the router's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import shlex
 import signal
 import sys
 import threading
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -35,12 +37,16 @@ import yaml
 from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
 from kvtier.ports import check_plan
-from kvtier.vllm.children import Child, stop_all
 from kvtier.vllm.front import router_argv
+from kvtier.vllm.parts import ProcessPart, ServicePart, stop_together
 from kvtier.vllm.stack_options import StackOptions, cores
 from kvtier.vllm.summary import say, tiers_line
+from kvtier.vllm.supervise import PartState, Supervised, Supervisor
 
-READY_TIMEOUT_S = 900.0
+GAVE_UP_STATUS = 3
+"""Exit status of a stack stopped (Ctrl-C) after it gave up on a part; its last line names
+the part. A stack that stops itself (every instance given up, or ``--restart never``) exits 1.
+"""
 
 
 def run_stack(args: argparse.Namespace) -> int:
@@ -63,11 +69,13 @@ class Stack:
     def __init__(self, options: StackOptions) -> None:
         self.o = options
         self.stop = threading.Event()
-        self.instances: list[Child] = []
-        self.router: Child | None = None
+        self.instances: list[ProcessPart] = []
+        self.router: ProcessPart | None = None
         self.shared: dict[str, Any] | None = None
         self.env: dict[str, str] = {}
         self.services = ExitStack()
+        self.supervisor = Supervisor(options.restart, say, self._changed)
+        self.announced = False
 
     # ------------------------------------------------------------------ plan
 
@@ -112,16 +120,20 @@ class Stack:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % cores())  # one core per instance
         return env
 
+    def instance_part(self, i: int) -> ProcessPart:
+        """vLLM's /health must say 200: it says 503 once its EngineCore died."""
+        return ProcessPart(f"instance {i}", self.instance_argv(i),
+                           self.o.run_dir / f"instance-{i}.log", f"{self.url(i)}/health",
+                           env=self.instance_env(i))
+
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
         previous = {s: signal.signal(s, lambda *_: self.stop.set())
                     for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            if not self._start():
-                return 1
-            self._say_status()
-            return self._verify() if self.o.verify else self._watch()
+            self._start()
+            return self._supervise()
         except KvtierError as exc:
             say(f"kvtier serve: {exc}")
             return 2
@@ -130,7 +142,7 @@ class Stack:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _start(self) -> bool:
+    def _start(self) -> None:
         o = self.o
         self._check_ports()
         o.run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,13 +153,10 @@ class Stack:
             (o.run_dir / f"instance-{i}.yaml").write_text(yaml.safe_dump(config))
         say(f"kvtier serve: starting {o.instances} instance(s); logs in {o.run_dir}")
         for i in range(o.instances):
-            log = o.run_dir / f"instance-{i}.log"
-            log.unlink(missing_ok=True)
-            self.instances.append(Child.start(f"instance {i}", self.instance_argv(i), log,
-                                              self.instance_env(i)))
-        if not self._wait_instances():
-            return False
-        return self._start_router()
+            (o.run_dir / f"instance-{i}.log").unlink(missing_ok=True)
+            part = self.instance_part(i)
+            self.instances.append(part)
+            self.supervisor.add(part)
 
     def _check_ports(self) -> None:
         """Every port free before anything starts (a ConfigError naming the first taken)."""
@@ -162,100 +171,120 @@ class Stack:
             return self.o.shared_tier()
         from kvtier.vllm.local_shared import start_local_shared
 
-        spec, env = start_local_shared(self.o.shared_local, self.o.run_dir, self.services)
+        spec, env, service = start_local_shared(self.o.shared_local, self.o.run_dir,
+                                                self.services)
         self.env.update(env)
+        self.supervisor.add(ServicePart(service.kind, service), launched=True, up=True)
         return self.o.shared_tier(spec)
 
-    def _wait_instances(self) -> bool:
-        started = time.monotonic()
-        pending = dict(enumerate(self.instances))
-        deadline = started + READY_TIMEOUT_S
-        while pending and not self.stop.is_set() and time.monotonic() < deadline:
-            for i, child in list(pending.items()):
-                if not child.running:
-                    self._say_died(child)
-                    return False
-                if _answers(self.url(i)):
-                    say(f"  instance {i} up in {time.monotonic() - started:.0f} s")
-                    del pending[i]
-            time.sleep(0.5)
-        if pending and not self.stop.is_set():
-            say(f"kvtier serve: instance(s) {sorted(pending)} not up after "
-                f"{READY_TIMEOUT_S:.0f} s")
-        return not pending
+    def _supervise(self) -> int:
+        while not self.stop.is_set():
+            self.supervisor.tick()
+            rc = self._progress()
+            if rc is not None:
+                return rc
+            self.stop.wait(0.5)
+        return GAVE_UP_STATUS if self.supervisor.in_state(PartState.GIVEN_UP) else 0
 
-    def _start_router(self) -> bool:
+    def _progress(self) -> int | None:
+        """Start the router once every instance is settled, announce the stack once its
+        front answers; an exit status when the stack must stop on its own."""
+        sup = self.supervisor
+        parts = [sup[p.name] for p in self.instances]
+        given_up = sup.in_state(PartState.GIVEN_UP)
+        if given_up and not self.o.restart.restart_on_failure:
+            return 1
+        if all(r.state is PartState.GIVEN_UP for r in parts):
+            say("kvtier serve: every instance was given up on")
+            return 1
+        settled = all(r.state in (PartState.UP, PartState.GIVEN_UP) for r in parts)
+        if settled and self.router is None and self.o.router != "none":
+            self._start_router()
+        front = sup[self.router.name] if self.router else None
+        if not self.announced and settled and (front is None or front.state is PartState.UP):
+            self.announced = True
+            self._say_status()
+            self._write_state()
+            if self.o.verify:
+                return self._verify()
+        return None
+
+    def _start_router(self) -> None:
         o = self.o
+        state = o.run_dir / "stack.json"
         argv = router_argv(o.router, o.policy, o.host, o.port,
                            [self.url(i) for i in range(o.instances)],
                            [self.node_url(i) for i in range(o.instances)],
-                           o.run_dir / "router-install.log", node_token_file=o.node_token_file)
-        if argv is None or self.stop.is_set():
-            return not self.stop.is_set()
+                           o.run_dir / "router-install.log", node_token_file=o.node_token_file,
+                           parts_file=state)
+        if argv is None:
+            return
+        self._write_state()  # the router reads the parts' states from it
         log = o.run_dir / "router.log"
         log.unlink(missing_ok=True)
-        # the environment goes with it: kvtier route reads $KVTIER_NODE_TOKEN by default
-        self.router = Child.start(f"router ({o.router})", argv, log)
-        deadline = time.monotonic() + 120
-        url = self.router_url or ""
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            if not self.router.running:
-                self._say_died(self.router)
-                return False
-            if _answers(url):
-                return True
-            time.sleep(0.3)
-        if not self.stop.is_set():
-            say(f"kvtier serve: the router did not answer at {url}; see {log}")
-        return False
-
-    def _watch(self) -> int:
-        self._write_state()
-        while not self.stop.wait(0.5):
-            for child in [*self.instances, *([self.router] if self.router else [])]:
-                if not child.running:
-                    self._say_died(child)
-                    return 1
-        return 0
+        # the environment goes with it: kvtier route reads $KVTIER_NODE_TOKEN by default;
+        # any HTTP answer counts (kvtier route's /health is 503 while no backend is up)
+        self.router = ProcessPart(f"router ({o.router})", argv, log,
+                                  f"{self.router_url}/health", only_200=False)
+        self.supervisor.add(self.router)
 
     def _verify(self) -> int:
         from kvtier.verify.run import VerifyOptions, verify
 
-        self._write_state()
         options = VerifyOptions.from_stack(self.state(), node_token=self.o.node_token())
         return verify(options)
 
     def _teardown(self) -> None:
         if self.router is not None:
-            stop_all([self.router], 30)
+            stop_together([self.router], 30)
         if self.instances:
             say(f"kvtier serve: stopping {len(self.instances)} instance(s)")
-            stop_all(self.instances, 90)
+            stop_together(self.instances, 90)
         self.services.close()
-        say("kvtier serve: stopped")
+        self.supervisor.close()
+        given_up = self.supervisor.in_state(PartState.GIVEN_UP)
+        if given_up:
+            say("kvtier serve: stopped; gave up on " + "; ".join(
+                f"{r.name} ({r.reason})" for r in given_up))
+        else:
+            say("kvtier serve: stopped")
 
     # ------------------------------------------------------------------ reporting
 
     def state(self) -> dict[str, Any]:
+        policy = self.o.restart
         return {
             "router": {"kind": self.o.router, "policy": self.o.policy, "url": self.router_url,
                        "pid": self.router.pid if self.router else None},
-            "instances": [{"url": self.url(i), "node": self.node_url(i), "pid": c.pid,
-                           "log": str(c.log)} for i, c in enumerate(self.instances)],
+            "instances": [{"url": self.url(i), "node": self.node_url(i), "pid": p.pid,
+                           "log": str(p.log_path)} for i, p in enumerate(self.instances)],
             "shared": self.shared,
             "node_token": self.o.node_token_source(),  # where from, never the token
+            "restart": {"mode": "on-failure" if policy.restart_on_failure else "never",
+                        "limit": policy.limit, "window_s": policy.window_s},
+            "parts": {r.name: r.as_dict() for r in self.supervisor},
         }
 
     def _write_state(self) -> Path:
         path = self.o.run_dir / "stack.json"
-        path.write_text(json.dumps(self.state(), indent=2))
+        temporary = path.with_name(f".stack.json.{os.getpid()}")
+        temporary.write_text(json.dumps(self.state(), indent=2))
+        os.replace(temporary, path)  # the router reads it on every /metrics
         return path
+
+    def _changed(self, record: Supervised) -> None:
+        if not self.announced:
+            return
+        self._write_state()
+        say("  parts: " + " · ".join(r.summary() for r in self.supervisor))
 
     def _say_status(self) -> None:
         o = self.o
         front = (f"{o.router} ({o.policy}) at {self.router_url}/v1" if self.router_url
                  else "no router: call the instances directly")
-        say(f"kvtier serve: {o.instances} instance(s) up; {front}")
+        up = len([p for p in self.instances
+                  if self.supervisor[p.name].state is PartState.UP])
+        say(f"kvtier serve: {up} instance(s) up; {front}")
         bind = _is_cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
         for i in range(o.instances):
             core = f"  core {i % cores()}" if bind else ""
@@ -267,22 +296,13 @@ class Stack:
         if token:
             where = token.get("file") or f"${token.get('env')}"
             say(f"  node servers' /v1/* need the bearer token in {where}")
+        policy = o.restart
+        say("  parts: " + " · ".join(r.summary() for r in self.supervisor)
+            + (f"; restarted on failure, at most {policy.limit} times in "
+               f"{policy.window_s:.0f} s" if policy.restart_on_failure
+               else "; --restart never: the stack stops when one fails"))
         say(f"  check it: kvtier verify --stack {o.run_dir / 'stack.json'}")
         say("  Ctrl-C stops everything.")
-
-    def _say_died(self, child: Child) -> None:
-        say(f"kvtier serve: {child.name} exited (status {child.popen.returncode}); the end "
-            f"of {child.log}:\n{child.tail()}")
-
-
-def _answers(url: str) -> bool:
-    from kvtier.httpjson import HttpError, request
-
-    try:
-        request(f"{url}/v1/models", timeout_s=3)
-        return True
-    except HttpError:
-        return False
 
 
 def _is_cpu_build() -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,10 @@ from kvtier.ports import MAX_PORT
 from kvtier.vllm.front import DEFAULT_POLICY, ROUTERS, check_router
 from kvtier.vllm.shared_spec import shared_tier
 from kvtier.vllm.sizing import flag_value
+from kvtier.vllm.supervise import RestartPolicy
 
 LOCAL_SERVICES = ("s3", "redis")
+RESTART_MODES = ("on-failure", "never")
 NODE_TOKEN_ENV = AuthConfig().http_token_env
 MAX_INSTANCES = 100
 _ONE_INSTANCE = {"server_config": "--server-config", "server_socket": "--server-socket",
@@ -52,6 +54,14 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shared tier's capacity (default: %(default)s)")
     g.add_argument("--run-dir", metavar="DIR",
                    help="logs, configs and stack.json (default: ~/.cache/kvtier/stack)")
+    g.add_argument("--restart", choices=RESTART_MODES, default="on-failure",
+                   help="on-failure (default): a part that exits or stops answering is "
+                   "restarted alone, with backoff; never: the stack stops when one does")
+    g.add_argument("--restart-limit", type=int, default=5, metavar="N",
+                   help="restarts of one part within --restart-window before the stack gives "
+                   "up on it (default: %(default)s)")
+    g.add_argument("--restart-window", default="600", metavar="SECONDS",
+                   help="the window of --restart-limit (default: %(default)s)")
     g.add_argument("--verify", action="store_true",
                    help="once up, run `kvtier verify` against the stack, then stop; the exit "
                    "status is verify's")
@@ -78,6 +88,7 @@ class StackOptions:
     verify: bool
     node_token_file: str | None = None
     """``--node-token-file`` (absolute, checked); None: ``$KVTIER_NODE_TOKEN`` if set."""
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, default_arena: int) -> StackOptions:
@@ -107,7 +118,8 @@ class StackOptions:
             model=args.model, vllm_args=tuple(_without(vllm_args, "--port", "--host")),
             chunk_tokens=args.chunk_tokens, priority=args.priority,
             run_dir=Path(args.run_dir).expanduser() if args.run_dir else _default_run_dir(),
-            verify=bool(args.verify), node_token_file=_token_file(args))
+            verify=bool(args.verify), node_token_file=_token_file(args),
+            restart=_restart_policy(args))
         top = options.node_port(n - 1)
         if top > MAX_PORT:
             raise ConfigError(f"--port {port}: instance {n - 1}'s node server would listen on "
@@ -150,6 +162,23 @@ class StackOptions:
             out[f"instance {i}"] = self.instance_port(i)
             out[f"instance {i}'s node server"] = self.node_port(i)
         return out
+
+
+def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    mode = getattr(args, "restart", "on-failure")
+    if mode not in RESTART_MODES:
+        raise ConfigError(f"--restart: expected one of {', '.join(RESTART_MODES)}, got {mode!r}")
+    limit = int(getattr(args, "restart_limit", 5))
+    if limit < 0:
+        raise ConfigError(f"--restart-limit: expected 0 or more, got {limit}")
+    raw = str(getattr(args, "restart_window", "600"))
+    try:
+        window = float(raw.removesuffix("s"))
+    except ValueError:
+        raise ConfigError(f"--restart-window: expected seconds, got {raw!r}") from None
+    if window <= 0:
+        raise ConfigError(f"--restart-window: expected more than 0 s, got {raw!r}")
+    return RestartPolicy(restart_on_failure=mode == "on-failure", limit=limit, window_s=window)
 
 
 def _token_file(args: argparse.Namespace) -> str | None:
