@@ -58,7 +58,7 @@ MAX_TOUCHED = 100_000
 MAX_TO_TOUCH = 10_000
 """Touches waiting for the backend; past this the oldest are dropped (best effort)."""
 TOUCH_BATCH = 256
-APPLY_BATCH = 128
+APPLY_BATCH = 32
 """Records applied per hold of the store lock."""
 MAX_PAGES = 10
 """Listing pages one poll reads at most (each at most MAX_LISTED_NOTES names)."""
