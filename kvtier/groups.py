@@ -14,25 +14,29 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 _POLL_S = 0.05
 
 
-def group_members(pgid: int) -> list[int]:
-    """Processes still in process group ``pgid``, zombies left out."""
-    out = []
+def _processes() -> Iterator[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process /proc shows now."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
+        except OSError:  # gone meanwhile
             continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
+        fields = stat.rsplit(")", 1)[-1].split()  # the name may hold spaces and ')'
+        if len(fields) > 2:
+            yield int(entry), fields[0], int(fields[1]), int(fields[2])
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes still in process group ``pgid``, zombies left out."""
+    return [pid for pid, state, _ppid, group in _processes() if group == pgid and state != "Z"]
 
 
 def signal_group(pgid: int, sig: int) -> None:
@@ -69,15 +73,4 @@ def child_groups(pid: int) -> set[int]:
     """Process groups led by children of ``pid`` that left its group (a child started in a
     session of its own, as ``kvtier serve`` starts vLLM): what to stop besides ``pid``'s own
     group, noted while ``pid`` lives (once it dies, its children are no longer its)."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 2 and int(fields[1]) == pid and int(fields[2]) != pid:
-            out.add(int(fields[2]))
-    return out
+    return {group for _pid, _state, ppid, group in _processes() if ppid == pid and group != pid}
