@@ -23,7 +23,8 @@ from kvtier.client import KvtierClient
 from kvtier.errors import ConfigError
 from kvtier.ports import free_ports
 from kvtier.server.http import MAX_CONNECTIONS, Connections
-from tests.server.test_http import fetch
+
+from .test_http import fetch
 
 TOKEN_ENV = "KVTIER_TEST_NODE_TOKEN"
 

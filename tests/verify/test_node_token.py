@@ -21,7 +21,8 @@ from kvtier.verify.run import Verification, VerifyOptions
 from kvtier.vllm.front import router_argv
 from kvtier.vllm.stack import Stack
 from kvtier.vllm.stack_options import StackOptions
-from tests.verify.test_verify_units import _KeyCheckingEntry
+
+from .test_verify_units import _KeyCheckingEntry
 
 GiB = 1 << 30
 ENV = "KVTIER_NODE_TOKEN"
