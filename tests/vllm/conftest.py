@@ -21,10 +21,6 @@ VLLM = importlib.util.find_spec("vllm") is not None
 # vLLM sets torch's thread count for the first engine of a process and exports it to later
 # ones; fixing it here gives every engine (baseline and kvtier) the same kernels.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-# The end-to-end suite runs with a cluster secret (docs/security.md): every chunk on a shared
-# tier is sealed with a MAC and checked on every read, and tokens must still equal a run
-# without kvtier. Every node server the tests start (in-process or `kvtier server`) reads it.
-os.environ.setdefault("KVTIER_SHARED_SECRET", "kvtier end-to-end cluster secret")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -34,6 +30,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cluster_secret() -> Iterator[None]:
+    """The end-to-end tests run with a cluster secret (docs/security.md): every chunk on a
+    shared tier is sealed with a MAC and checked on every read, and tokens must still equal a
+    run without kvtier. Every node server they start (in-process or ``kvtier server``) reads
+    it. Set for the tests of this folder only (it would change what other tests expect of
+    notes), from the first of them to the end of the session, then restored."""
+    before = os.environ.get("KVTIER_SHARED_SECRET")
+    os.environ["KVTIER_SHARED_SECRET"] = "kvtier end-to-end cluster secret"
+    yield
+    if before is None:
+        del os.environ["KVTIER_SHARED_SECRET"]
+    else:
+        os.environ["KVTIER_SHARED_SECRET"] = before
 
 
 @pytest.fixture(scope="session")
