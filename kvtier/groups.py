@@ -66,6 +66,9 @@ def stop_group(popen: subprocess.Popen[bytes], timeout_s: float,
         time.sleep(_POLL_S)
     signal_group(pgid, signal.SIGKILL)
     popen.wait(timeout=30)
+    gone = time.monotonic() + 5.0  # SIGKILLed members take a moment to become zombies
+    while group_members(pgid) and time.monotonic() < gone:
+        time.sleep(_POLL_S)
     return popen.returncode
 
 

@@ -136,6 +136,7 @@ def test_the_sweeper_keeps_each_namespace_within_its_budget(tmp_path: Path,
     written = keys(12)
     store_chunks(a, written[:6])
     settle(a)
+    time.sleep(0.05)  # file times are kernel ticks (~4 ms): a's chunks must be strictly older
     store_chunks(b, written[6:])
     settle(b)
     written_bytes = (sample(a, "kvtier_bytes_total", tier="shared", direction="write")
