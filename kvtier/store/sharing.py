@@ -50,7 +50,7 @@ from kvtier.store.iopool import IOPool, Job
 from kvtier.store.lower import LowerTierState
 from kvtier.store.sweeper import HEARTBEAT_S, SERVERS, sweep, sweeper_of
 from kvtier.tiers.base import StoredChunk
-from kvtier.tiers.shared import MAX_LISTED_NOTES, SharedTier
+from kvtier.tiers.shared import SharedTier
 
 log = logging.getLogger("kvtier.store")
 MAX_OUTBOX = 100_000
@@ -288,13 +288,8 @@ class Sharing:
             self._relist(now_ms)
             return
         start = journal.start_after(self._cursor_ms - int(journal.SKEW_S * 1000))
-        for _page in range(MAX_PAGES):
-            names = self.tier.list_notes(journal.PREFIX, start)
-            for name in names:
-                self._read_note(name, now_ms)
-            if len(names) < MAX_LISTED_NOTES:
-                break
-            start = names[-1]
+        for name in self.tier.iter_notes(journal.PREFIX, start, MAX_PAGES):
+            self._read_note(name, now_ms)
         floor = self._cursor_ms - 2 * int(journal.SKEW_S * 1000)
         self._seen = {n: ms for n, ms in self._seen.items() if ms >= floor}
 

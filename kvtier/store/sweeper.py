@@ -38,7 +38,7 @@ from kvtier.errors import NoteTooLarge
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
 from kvtier.tiers.base import StoredChunk
-from kvtier.tiers.shared import MAX_LISTED_NOTES, SharedTier
+from kvtier.tiers.shared import SharedTier
 
 HEARTBEAT_BYTES = 4096
 
@@ -129,16 +129,10 @@ def _old_notes(tier: SharedTier, now: float, keep_s: float, skew_s: float,
     servers long gone, dated in the future, or that do not decode."""
     cutoff_ms, ahead_ms = int((now - keep_s) * 1000), int((now + skew_s) * 1000)
     doomed = []
-    start = ""
-    while True:  # page through: one listing call returns a bounded number of names
-        names = tier.list_notes(journal.PREFIX, start)
-        for name in names:
-            parsed = journal.parse_name(name)
-            if parsed is None or not cutoff_ms <= parsed[0] <= ahead_ms:
-                doomed.append(name)
-        if len(names) < MAX_LISTED_NOTES:
-            break
-        start = names[-1]
+    for name in tier.iter_notes(journal.PREFIX):
+        parsed = journal.parse_name(name)
+        if parsed is None or not cutoff_ms <= parsed[0] <= ahead_ms:
+            doomed.append(name)
     beats = read_heartbeats(tier, keyring)
     doomed += [f"{SERVERS}{server}" for server, beat in beats.items()
                if beat is None or not now - GONE_S <= beat <= now + skew_s]

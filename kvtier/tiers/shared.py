@@ -142,6 +142,19 @@ class SharedTier(LowerTier):
         sorting after ``start_after``, in order. Names that are not valid note names
         (:func:`check_note_name`) are left out."""
 
+    def iter_notes(self, prefix: str, start_after: str = "",
+                   max_pages: int | None = None) -> Iterator[str]:
+        """Every name under ``prefix`` after ``start_after``, in order, one bounded
+        :meth:`list_notes` page at a time (at most ``max_pages`` of them)."""
+        pages = 0
+        while max_pages is None or pages < max_pages:
+            names = self.list_notes(prefix, start_after)
+            yield from names
+            pages += 1
+            if len(names) < MAX_LISTED_NOTES:
+                return
+            start_after = names[-1]
+
     @abstractmethod
     def delete_note(self, name: str) -> None:
         """A missing note is not an error."""
