@@ -44,6 +44,10 @@ from kvtier.errors import ConfigError, IntegrityError
 
 SHM_DIR = "/dev/shm"
 LOCK_WAIT_S = 1.0
+CREATING_SUFFIX = ".creating"
+CREATING_GRACE_S = 60.0
+"""A creating name is used for microseconds; one older than this, unlocked, was left by a
+creator killed in between and is swept."""
 """How long a new arena waits for a sweeper that locked it in the instant before its creator."""
 log = logging.getLogger("kvtier.server")
 
@@ -128,29 +132,38 @@ class ArenaMapping:
 
 
 def _create_locked(path: str) -> int:
-    """A new arena file at ``path``, exclusively locked and still linked there.
+    """A new arena file at ``path``, exclusively locked before its name can be seen.
 
-    A sweeper may lock a fresh file in the instant between its creation and our lock; it then
-    unlinks it, which we see as the name no longer naming our file, and we try again.
+    The file is made under a private name (``<name>.creating``), locked there, and only then
+    linked to ``path`` (which fails if ``path`` exists): a sweeper never sees the real name on
+    an unlocked file, so it cannot take a fresh arena in the instant between its creation and
+    its lock. A creating name outlives its creator only if it is killed in those microseconds;
+    :func:`sweep_stale` removes such names once they are old and unlocked.
     """
     name = os.path.basename(path)
-    for _ in range(3):
+    creating = path + CREATING_SUFFIX
+    try:
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except FileExistsError as exc:
+        raise ConfigError(f"arena {name!r} is being created in {SHM_DIR} by another process "
+                          f"({name}{CREATING_SUFFIX} exists)") from exc
+    identity = _identity(os.fstat(fd))
+    try:
+        if not _lock(fd, LOCK_WAIT_S):  # only a sweep of an old creating name locks it
+            raise ConfigError(f"arena {name!r} was held locked by another process while it "
+                              "was being created; only its creating server may lock it")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
+            os.link(creating, path, follow_symlinks=False)
         except FileExistsError as exc:
             raise ConfigError(f"arena {name!r} already exists in {SHM_DIR}: another server "
                               "uses that name, or a dead one left it (remove the file)") from exc
-        if not _lock(fd, LOCK_WAIT_S):  # a sweep holds it for microseconds, not a second
-            _unlink_if_same(path, _identity(os.fstat(fd)))
-            os.close(fd)
-            raise ConfigError(f"arena {name!r} was held locked by another process while it "
-                              "was being created; only its creating server may lock it")
-        if _names(path, fd):
-            return fd
+    except BaseException:
+        _unlink_if_same(creating, identity)
         os.close(fd)
-    raise ConfigError(f"arena {name!r} was removed from {SHM_DIR} while it was being created, "
-                      "three times: is something deleting files there?")
+        raise
+    _unlink_if_same(creating, identity)
+    return fd
 
 
 def _lock(fd: int, wait_s: float) -> bool:
@@ -288,6 +301,7 @@ ARENA_PREFIX = "kvtier-arena-"
 """Default names are ``kvtier-arena-UID-PID-RANDOM``: the lock, not the pid, says whether the
 owner lives (the pid is only for people, and is of the owner's own PID namespace)."""
 _DEFAULT = re.compile(r"kvtier-arena-(\d+)-\d+-[0-9a-f]{8,32}")
+_CREATING = re.compile(_DEFAULT.pattern + re.escape(CREATING_SUFFIX))
 _LEGACY = re.compile(r"kvtier-(\d+)-\d+-[^-]+")
 """Names earlier kvtier versions gave arenas they never locked: kept (see :func:`sweep_stale`)."""
 
@@ -313,6 +327,11 @@ def sweep_stale() -> list[str]:
             if _remove_if_unlocked(shm_path(name), uid):
                 removed.append(name)
             continue
+        creating = _CREATING.fullmatch(name)
+        if creating and int(creating.group(1)) == uid:
+            if _remove_if_unlocked(shm_path(name), uid, older_than_s=CREATING_GRACE_S):
+                removed.append(name)
+            continue
         legacy = _LEGACY.fullmatch(name)
         if legacy and int(legacy.group(1)) == uid:
             log.warning("kept arena %s/%s: an older kvtier made it without a lock, so whether "
@@ -321,12 +340,15 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-def _remove_if_unlocked(path: str, uid: int) -> bool:
+def _remove_if_unlocked(path: str, uid: int, *, older_than_s: float = 0.0) -> bool:
     """Lock the regular file at ``path`` (never through a link), and unlink it while holding
-    the lock if the name still names that file: no owner can take it back in between."""
+    the lock if the name still names that file: no owner can take it back in between. With
+    ``older_than_s``, a file modified more recently is kept."""
     try:
         info = os.stat(path, follow_symlinks=False)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            return False
+        if older_than_s and time.time() - info.st_mtime < older_than_s:
             return False
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:

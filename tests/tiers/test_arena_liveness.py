@@ -241,3 +241,31 @@ def test_a_name_held_by_a_live_owner_cannot_be_created_again(cleanup: list[str])
         owner.close()
         owner.unlink()
 
+
+
+def test_a_creating_name_left_by_a_killed_creator_is_swept_once_old(cleanup: list[str]) -> None:
+    name = default_name() + ".creating"
+    cleanup.append(name)
+    Path(shm_path(name)).write_bytes(b"")
+    assert name not in sweep_stale(), "a young creating name may belong to a live creator"
+    old = time.time() - 3600
+    os.utime(shm_path(name), (old, old))
+    assert name in sweep_stale()
+    assert not os.path.exists(shm_path(name))
+
+
+def test_creation_leaves_no_creating_name_and_refuses_a_taken_one(cleanup: list[str]) -> None:
+    name = default_name()
+    cleanup += [name, name + ".creating"]
+    Path(shm_path(name + ".creating")).write_bytes(b"")
+    with pytest.raises(ConfigError, match="being created"):
+        Arena(name, 1, 4096, prefault=False)
+    assert not os.path.exists(shm_path(name))
+    os.unlink(shm_path(name + ".creating"))
+    arena = Arena(name, 1, 4096, prefault=False)
+    try:
+        assert not os.path.exists(shm_path(name + ".creating"))
+        assert name not in sweep_stale()
+    finally:
+        arena.close()
+        arena.unlink()
