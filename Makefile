@@ -1,5 +1,6 @@
 # kvtier: `make demo` serves the built-in demo model with the tiered cache and sends it a
-# request; `make test` runs every check CI runs. Both create .venv and install what they need.
+# request; `make test` runs every check CI runs. Both create .venv and install what they need
+# (`make test` also the Debian packages its tests start).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,11 +20,14 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # Services the shared-tier tests start (kvtier.services): redis-server, and fuse3 for
-# `weed mount` (fusermount3, and the fusermount name weed calls to unmount). Needs root.
+# `weed mount` (fusermount3, and the fusermount name weed calls to unmount). Installed with
+# apt-get, as root or through sudo; `make test` calls it, so a fresh clone needs nothing else.
 system-deps:
 	@if command -v redis-server >/dev/null && command -v fusermount >/dev/null; then :; \
-	else export DEBIAN_FRONTEND=noninteractive; apt-get update -q && \
-	     apt-get install -y -q --no-install-recommends redis-server fuse3; fi
+	else if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	     $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	     $$SUDO env DEBIAN_FRONTEND=noninteractive \
+	         apt-get install -y -q --no-install-recommends redis-server fuse3; fi
 
 demo: setup
 	$(VENV)/bin/kvtier serve --demo-request
@@ -45,7 +49,7 @@ e2e: setup
 faults: setup
 	$(VENV)/bin/pytest -q -m faults
 
-test: lint
+test: system-deps lint
 	$(VENV)/bin/pytest -q -m "not faults"
 
 bench: setup
