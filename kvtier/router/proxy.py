@@ -40,8 +40,10 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                         "transfer-encoding", "upgrade", "host", "content-length"})
 _NOT_BACK = HOP_BY_HOP | {"date", "server"}
 BACKEND_HEADER = "X-Kvtier-Backend"
-ENGINE_DEAD = (b"EngineDeadError", b"EngineCore encountered an issue")
-"""How vLLM 0.32 words an answer from an API server whose EngineCore is gone."""
+ENGINE_DEAD = (b"EngineDeadError", b"EngineCore encountered an issue",
+               b"cannot schedule new futures after shutdown")
+"""How vLLM 0.32 words an answer from an API server whose EngineCore is gone, or that is
+shutting down (its executors refuse new work: the request was not started)."""
 
 
 class BackendFailed(Exception):

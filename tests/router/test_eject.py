@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from stubs import completion, post, router_config, running_router, stubs
 
 from kvtier.verify.discover import discover
@@ -113,10 +114,14 @@ def test_the_stack_parts_states_are_in_the_router_metrics(tmp_path: Path) -> Non
     asyncio.run(main())
 
 
-def test_an_answer_from_a_dead_engine_is_served_by_another_backend() -> None:
+@pytest.mark.parametrize("message", [
+    "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    "cannot schedule new futures after shutdown"])
+def test_an_answer_from_a_dead_engine_is_served_by_another_backend(message: str) -> None:
     """vLLM's API server answers 500 'EngineCore encountered an issue' between its
-    EngineCore's death and its own exit: that request was never served, so another backend
-    serves it; an ordinary 500 is passed through, as vLLM sent it."""
+    EngineCore's death and its own exit, and 'cannot schedule new futures' while it shuts
+    down: that request was never served, so another backend serves it; an ordinary 500 is
+    passed through, as vLLM sent it."""
     from aiohttp import web
 
     async def main() -> None:
@@ -128,8 +133,8 @@ def test_an_answer_from_a_dead_engine_is_served_by_another_backend() -> None:
             async def dead(request: web.Request) -> web.Response:
                 await request.read()
                 return web.json_response({"error": {
-                    "message": "EngineCore encountered an issue. See stack trace (above) for "
-                    "the root cause.", "type": "InternalServerError", "code": 500}}, status=500)
+                    "message": message, "type": "InternalServerError", "code": 500}},
+                    status=500)
 
             backends[0]._complete = dead
             await backends[0].stop()
