@@ -3,28 +3,103 @@
 A port is free when a server could bind it now (``SO_REUSEADDR``, as the servers set). Ports
 chosen together are held open until all are chosen, so they are distinct; a plan of derived
 ports (``P``, ``P+1+i``, ``P+101+i``) is checked before anything starts, each one named.
+
+A port can also be busy for a while without any server on it: an outgoing connection takes
+its local port from the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by
+default), and once closed that port stays in TIME_WAIT for 60 s, during which no server can
+bind it, ``SO_REUSEADDR`` or not. A part restarted on a port in that range can meet this;
+:func:`wait_bindable` waits it out, and fails at once only when a server listens there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import socket
+import time
 from collections.abc import Iterable, Mapping
 
 from kvtier.errors import ConfigError
+
+log = logging.getLogger("kvtier.ports")
 
 MAX_PORT = 65535
 _ATTEMPTS = 50
 
 
+TIME_WAIT_S = 60.0
+"""How long Linux keeps a closed connection's port (``TCP_TIMEWAIT_LEN``)."""
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    return _bind_error(port, host) is None
+
+
+def _bind_error(port: int, host: str) -> OSError | None:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (32768-60999 if unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def listening(port: int) -> bool:
+    """Whether a TCP socket of any process on this host listens on ``port`` (any address),
+    from ``/proc/net/tcp`` and ``tcp6``; False where those cannot be read."""
+    wanted = f"{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)  # the header
+                for line in f:
+                    fields = line.split()
+                    if (len(fields) > 3 and fields[3] == "0A"  # TCP_LISTEN
+                            and fields[1].rpartition(":")[2] == wanted):
+                        return True
         except OSError:
-            return False
-    return True
+            continue
+    return False
+
+
+def wait_bindable(port: int, what: str, host: str = "127.0.0.1",
+                  timeout_s: float = TIME_WAIT_S + 15) -> None:
+    """Return once a server could bind ``port``; wait while it is held only by connections
+    (an outgoing one's port in TIME_WAIT), raise a ConfigError naming ``what`` at once when a
+    server listens there, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        error = _bind_error(port, host)
+        if error is None:
+            if said:
+                log.info("port %d (%s) is free again", port, what)
+            return
+        if error.errno != errno.EADDRINUSE or listening(port):
+            raise ConfigError(f"port {port} ({what}) is in use on {host}: {error.strerror}; "
+                              "free it or choose another --port")
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"port {port} ({what}) stayed in use by connections (no server "
+                              f"listens) for {timeout_s:.0f} s; choose a port below "
+                              f"{ephemeral_range()[0]}, outside the ephemeral range")
+        if not said:
+            said = True
+            log.warning("port %d (%s) is held by a closed connection (TIME_WAIT: it is in "
+                        "the ephemeral range %d-%d); waiting up to %.0f s for it", port, what,
+                        *ephemeral_range(), timeout_s)
+        time.sleep(0.5)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

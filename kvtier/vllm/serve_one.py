@@ -15,10 +15,13 @@ import subprocess
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from kvtier import logs
+from kvtier.errors import ConfigError
 from kvtier.groups import stop_group
 from kvtier.httpjson import wait_models
+from kvtier.ports import wait_bindable
 from kvtier.vllm.children import die_with_parent
 from kvtier.vllm.summary import say, tiers_line
 
@@ -37,6 +40,13 @@ a sweep, 90 s in a stack): vLLM's group is not theirs, so it must be gone by the
 def serve_one(plan: ServePlan, demo: bool) -> int:
     log_file = _open_log(plan.log_file)
     logs.setup("info", "text", stream=log_file)
+    try:
+        _wait_ports(plan)
+    except ConfigError as exc:
+        say(f"kvtier serve: {exc}")
+        if log_file is not None:
+            log_file.close()
+        return 1
     server = None
     if plan.server is not None:
         from kvtier.server import EmbeddedServer
@@ -50,6 +60,17 @@ def serve_one(plan: ServePlan, demo: bool) -> int:
             server.stop()  # frees the arena however vLLM ended
         if log_file is not None:
             log_file.close()
+
+
+def _wait_ports(plan: ServePlan) -> None:
+    """The node server's and vLLM's ports, once bindable: after a restart a port in the
+    ephemeral range may be held for up to a minute by a closed outgoing connection."""
+    if plan.server is not None and plan.server.metrics_port:
+        wait_bindable(plan.server.metrics_port, "the node server's HTTP API",
+                      plan.server.metrics_host)
+    vllm_port = urlsplit(plan.base_url).port
+    if vllm_port:
+        wait_bindable(vllm_port, "vLLM's API server")
 
 
 def _open_log(path: Path | None) -> IO[str] | None:

@@ -36,7 +36,7 @@ import yaml
 
 from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
-from kvtier.ports import check_plan
+from kvtier.ports import check_plan, ephemeral_range
 from kvtier.vllm.front import router_argv
 from kvtier.vllm.parts import ProcessPart, ServicePart, stop_together
 from kvtier.vllm.stack_options import StackOptions, cores
@@ -165,6 +165,13 @@ class Stack:
             host = "0.0.0.0" if o.host in ("", "::") else o.host
             check_plan({f"the {o.router} router": o.port}, host)
         check_plan(o.instance_ports())
+        low, high = ephemeral_range()
+        inside = sorted(p for p in [o.port, *o.instance_ports().values()] if low <= p <= high)
+        if inside:
+            say(f"kvtier serve: ports {inside[0]}-{inside[-1]} are in the kernel's ephemeral "
+                f"range ({low}-{high}): a restarted part may wait up to a minute for its port "
+                "(a closed outgoing connection holds it); a --port below "
+                f"{low - 200} avoids that")
 
     def _shared_tier(self) -> dict[str, Any] | None:
         if self.o.shared_local is None:

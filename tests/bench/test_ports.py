@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,7 +13,18 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ports import MAX_PORT, check_plan, free_base, free_ports, port_free
+from kvtier.ports import (
+    MAX_PORT,
+    check_plan,
+    ephemeral_range,
+    free_base,
+    free_ports,
+    port_free,
+    wait_bindable,
+)
+from kvtier.ports import (
+    listening as a_server_listens,
+)
 from kvtier.vllm.stack_options import StackOptions
 
 GiB = 1 << 30
@@ -90,3 +102,49 @@ def test_the_stack_refuses_to_start_when_a_derived_port_is_taken(
     out = capsys.readouterr().out
     assert f"port {base + 102} (instance 1's node server) is in use" in out
     assert stack.instances == [] and "starting" not in out, "nothing was started"
+
+
+def _time_wait_port() -> tuple[int, socket.socket]:
+    """A port held only by an outgoing connection that closed first (TIME_WAIT): no server
+    could bind it now, SO_REUSEADDR or not. Returns it and the listener (keep it open)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = socket.socket()
+    client.bind(("127.0.0.1", 0))
+    port = int(client.getsockname()[1])
+    client.connect(listener.getsockname())
+    accepted, _ = listener.accept()
+    client.close()  # the side that closes first keeps the port in TIME_WAIT
+    accepted.close()
+    return port, listener
+
+
+def test_a_port_held_by_a_closed_connection_is_not_listening_and_is_waited_for() -> None:
+    port, listener = _time_wait_port()
+    try:
+        assert not port_free(port)
+        assert not a_server_listens(port), "only connections hold it"
+        with pytest.raises(ConfigError, match=r"stayed in use by connections .* below"):
+            wait_bindable(port, "a restarted part", timeout_s=1.0)
+    finally:
+        listener.close()
+
+
+def test_a_port_a_server_listens_on_fails_at_once_naming_it() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = int(server.getsockname()[1])
+        assert a_server_listens(port)
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"port {port} \(the node server\) is in use"):
+            wait_bindable(port, "the node server", timeout_s=30.0)
+        assert time.monotonic() - start < 5, "a listener is not waited for"
+
+
+def test_a_free_port_is_bindable_at_once() -> None:
+    port = free_ports(1)[0]
+    wait_bindable(port, "a part", timeout_s=0.5)
+    low, high = ephemeral_range()
+    assert 1 <= low <= high <= MAX_PORT

@@ -14,14 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.ports import ephemeral_range
+
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "10240",
                "--num-gpu-blocks-override", "96", "--arena-size", "256MiB"]
 
 
 def free_base(n: int) -> int:
-    """A port P with P..P+n and P+101..P+100+n free on loopback."""
+    """A port P with P..P+n and P+101..P+100+n free on loopback, all below the kernel's
+    ephemeral range: a restarted part must not find its port held by an outgoing
+    connection's TIME_WAIT (kvtier.ports)."""
+    top = min(40000, ephemeral_range()[0]) - 200
     for _ in range(200):
-        base = random.randrange(20000, 40000)
+        base = random.randrange(20000, top)
         ports = [base + i for i in range(n + 1)] + [base + 101 + i for i in range(n)]
         try:
             for port in ports:
