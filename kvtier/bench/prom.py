@@ -9,13 +9,11 @@ response says nothing (see :mod:`kvtier.bench.openai_client`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import httpx
 
-_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from kvtier.prom import samples
 
 PROMPT = "vllm:prompt_tokens_total"
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
@@ -28,23 +26,10 @@ def parse(text: str) -> Counters:
     """The counters this module reads, summed over other labels: ``name`` or
     ``name|label_value`` (source for the cache counters, tier for kvtier's)."""
     out: Counters = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        match = _LINE.match(line)
-        if not match:
-            continue
-        name, labels, value = match.groups()
-        if name not in (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED):
-            continue
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        label = dict(_LABEL.findall(labels or ""))
-        sub = label.get("source") or label.get("tier")
-        key = f"{name}|{sub}" if sub else name
-        out[key] = out.get(key, 0.0) + number
+    for s in samples(text, (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED)):
+        sub = s.labels.get("source") or s.labels.get("tier")
+        key = f"{s.name}|{sub}" if sub else s.name
+        out[key] = out.get(key, 0.0) + s.value
     return out
 
 

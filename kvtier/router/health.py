@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from kvtier.prom import MAX_CHARS
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.keys import NamespaceInfo, Renderers
 from kvtier.router.scrape import engine_gauges
@@ -83,8 +84,8 @@ class HealthMonitor:
                                         timeout=timeout) as resp:
                 if resp.status != 200:
                     return
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+                text = await _capped_text(resp, MAX_CHARS)
+        except (aiohttp.ClientError, TimeoutError, OSError):
             return
         gauges = engine_gauges(text)
         backend.load.observe(gauges.running, gauges.waiting)
@@ -114,3 +115,16 @@ class HealthMonitor:
                 return await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return None
+
+
+async def _capped_text(resp: aiohttp.ClientResponse, limit: int) -> str:
+    """At most about ``limit`` bytes of the body (a backend's page may be huge or endless);
+    bytes that are not UTF-8 are replaced, the parser then skips their lines."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts).decode("utf-8", errors="replace")

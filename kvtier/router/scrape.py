@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import re
+import math
 from typing import NamedTuple
 
-_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from kvtier.prom import samples
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 class EngineGauges(NamedTuple):
@@ -18,29 +20,27 @@ class EngineGauges(NamedTuple):
 
 def engine_gauges(text: str) -> EngineGauges:
     """``vllm:num_requests_running`` / ``_waiting`` summed over engines, and the device KV
-    cache size (``vllm:cache_config_info``: num_gpu_blocks x block_size, summed)."""
+    cache size (``vllm:cache_config_info``: num_gpu_blocks x block_size, summed). A page that
+    is not Prometheus text gives zeros and no size (:func:`kvtier.prom.samples`)."""
     running = waiting = 0.0
     device = 0
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        match = _LINE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        if name == "vllm:num_requests_running":
-            running += _number(value)
-        elif name == "vllm:num_requests_waiting":
-            waiting += _number(value)
-        elif name == "vllm:cache_config_info":
-            found = dict(_LABEL.findall(labels or ""))
-            with contextlib.suppress(KeyError, ValueError):
-                device += int(found["num_gpu_blocks"]) * int(found["block_size"])
-    return EngineGauges(int(running), int(waiting), device or None)
+    for s in samples(text, (RUNNING, WAITING, CACHE_CONFIG)):
+        if s.name == RUNNING:
+            running += s.value
+        elif s.name == WAITING:
+            waiting += s.value
+        else:
+            device += _device_tokens(s.labels)
+    return EngineGauges(_count(running), _count(waiting), device or None)
 
 
-def _number(text: str) -> float:
+def _device_tokens(labels: dict[str, str]) -> int:
     try:
-        return float(text)
-    except ValueError:
-        return 0.0
+        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return 0
+
+
+def _count(value: float) -> int:
+    """A gauge as a count; NaN and infinities (which a broken backend may send) count 0."""
+    return int(value) if math.isfinite(value) else 0
