@@ -1,4 +1,5 @@
-"""Rollout rules: small expressions over named metrics, parsed by hand (never ``eval``).
+"""Rollout rules: small expressions over named metrics, read by Python's own parser
+(``ast.parse``) and walked here over a whitelist of node types — never ``eval``.
 
 ::
 
@@ -7,32 +8,29 @@
     total_tok_s >= 0.95 * baseline and errors <= baseline.errors
     candidate.p99_itl - baseline.p99_itl < 0.02
 
-Grammar (a tokenizer, then recursive descent; types checked while parsing)::
+Allowed (:data:`ALLOWED`): numbers, metric names, ``baseline.NAME`` / ``candidate.NAME``,
+``+ - * /``, one of ``< <= > >= == !=`` per comparison, ``and``, ``or``, ``not`` and
+parentheses, with Python's precedence. A bare ``baseline`` / ``candidate`` stands for the one
+metric its comparison names (it is an error if that comparison names none or several). Types
+are checked before anything is evaluated: ``and``/``or``/``not`` join conditions, arithmetic
+and comparisons take numbers, and the rule must be a condition.
 
-    rule    := or                                  (must be a truth value)
-    or      := and ("or" and)*
-    and     := not ("and" not)*
-    not     := "not" not | compare
-    compare := sum [("<" | "<=" | ">" | ">=" | "==" | "!=") sum]
-    sum     := product (("+" | "-") product)*
-    product := unary (("*" | "/") unary)*
-    unary   := ("-" | "+") unary | atom
-    atom    := NUMBER | METRIC | baseline | candidate
-             | (baseline | candidate) "." METRIC | "(" or ")"
-
-A bare ``baseline`` / ``candidate`` stands for the one metric its comparison names (it is an
-error if that comparison names none or several). Only known metric names are accepted;
-anything else — quotes, calls, attribute access other than ``baseline.NAME``, powers,
-brackets — is refused with the column where it starts. Rules are at most 400 characters and
-nest at most 20 deep; numbers must be finite with exponents of at most three digits, and an
-evaluation that overflows or divides by zero is an error, not a verdict.
+Before Python sees it, a rule must be at most 400 ASCII characters of the kinds above (no
+quotes, brackets, commas, colons...), with balanced parentheses nested at most 20 deep; after,
+only the node types above pass, only known metric names (with a suggestion), numbers written
+as digits with an exponent of at most three digits, and at most 20 nested signs or ``not``.
+An evaluation that overflows or divides by zero is an error, not a verdict. Every refusal
+names the column where the offending part starts.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import math
+import operator
 import re
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -41,324 +39,25 @@ from kvtier.errors import ConfigError
 MAX_CHARS = 400
 MAX_DEPTH = 20
 SIDES = ("baseline", "candidate")
-KEYWORDS = frozenset({"and", "or", "not", *SIDES})
-_TOKEN = re.compile(r"""
-    (?P<space>\s+)
-  | (?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)
-  | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<op><=|>=|==|!=|<|>|\+|-|\*|/|\(|\)|\.)
-""", re.VERBOSE)
-_COMPARE: dict[str, Callable[[float, float], bool]] = {
-    "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
-    ">=": lambda a, b: a >= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+ALLOWED = ("numbers, metric names, baseline.NAME, candidate.NAME, + - * /, "
+           "< <= > >= == !=, and, or, not, parentheses")
+_BAD_CHAR = re.compile(r"[^A-Za-z0-9_.+\-*/<>=!() \t\r\n]")
+_LONE_EQUALS = re.compile(r"(?<![<>=!])=(?!=)")
+_NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?(\d+))?")
+_ARITH: dict[type[ast.operator], tuple[str, Callable[[float, float], float]]] = {
+    ast.Add: ("+", operator.add), ast.Sub: ("-", operator.sub),
+    ast.Mult: ("*", operator.mul), ast.Div: ("/", operator.truediv),
 }
+_COMPARE: dict[type[ast.cmpop], tuple[str, Callable[[float, float], bool]]] = {
+    ast.Lt: ("<", operator.lt), ast.LtE: ("<=", operator.le), ast.Gt: (">", operator.gt),
+    ast.GtE: (">=", operator.ge), ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne),
+}
+BOOL, NUM = "truth value", "number"
+Sides = Mapping[str, Mapping[str, float | None]]
 
 
 class RuleError(ConfigError):
     """A rule that cannot be parsed or evaluated; the message says where and why."""
-
-
-@dataclass(frozen=True)
-class Tok:
-    kind: str  # number, name, op, end
-    text: str
-    col: int
-
-
-def tokenize(rule: str) -> list[Tok]:
-    if len(rule) > MAX_CHARS:
-        raise RuleError(f"rule is {len(rule)} characters long; at most {MAX_CHARS}")
-    out: list[Tok] = []
-    pos = 0
-    while pos < len(rule):
-        m = _TOKEN.match(rule, pos)
-        if m is None:
-            raise RuleError(f"unexpected character {rule[pos]!r} at column {pos + 1} of "
-                            f"{rule!r}")
-        kind = m.lastgroup or ""
-        text = m.group()
-        if kind == "op" and text == "*" and rule.startswith("**", pos):
-            raise RuleError(f"'**' at column {pos + 1}: powers are not supported")
-        if kind == "number":
-            _check_number(text, pos)
-        if kind != "space":
-            out.append(Tok(kind, text, pos + 1))
-        pos = m.end()
-    out.append(Tok("end", "", len(rule) + 1))
-    return out
-
-
-def _check_number(text: str, pos: int) -> None:
-    exponent = re.search(r"[eE][+-]?(\d+)$", text)
-    if exponent and len(exponent.group(1)) > 3:
-        raise RuleError(f"number {text!r} at column {pos + 1}: exponent too large")
-    if not math.isfinite(float(text)):
-        raise RuleError(f"number {text!r} at column {pos + 1} is not finite")
-
-
-# ------------------------------------------------------------------ syntax tree
-
-
-@dataclass(frozen=True)
-class Num:
-    value: float
-
-
-@dataclass(frozen=True)
-class Metric:
-    side: str
-    name: str
-
-
-@dataclass(frozen=True)
-class Subject:
-    """A bare ``baseline``/``candidate``: bound to its comparison's metric after parsing."""
-
-    side: str
-
-
-@dataclass(frozen=True)
-class Arith:
-    op: str
-    left: Node
-    right: Node
-
-
-@dataclass(frozen=True)
-class Neg:
-    operand: Node
-
-
-@dataclass(frozen=True)
-class Compare:
-    op: str
-    left: Node
-    right: Node
-    text: str
-
-
-@dataclass(frozen=True)
-class Logic:
-    op: str
-    left: Node
-    right: Node
-
-
-@dataclass(frozen=True)
-class Not:
-    operand: Node
-
-
-Node = Num | Metric | Subject | Arith | Neg | Compare | Logic | Not
-BOOL, NUM = "truth value", "number"
-
-
-class _Parser:
-    def __init__(self, rule: str, known: Collection[str]) -> None:
-        self.rule = rule
-        self.known = known
-        self.toks = tokenize(rule)
-        self.i = 0
-        self.depth = 0
-
-    # helpers
-    def peek(self) -> Tok:
-        return self.toks[self.i]
-
-    def take(self) -> Tok:
-        tok = self.toks[self.i]
-        self.i += 1
-        return tok
-
-    def accept(self, *texts: str) -> Tok | None:
-        tok = self.peek()
-        if tok.kind in ("op", "name") and tok.text in texts:
-            return self.take()
-        return None
-
-    def fail(self, tok: Tok, why: str) -> RuleError:
-        where = f"column {tok.col}" if tok.kind != "end" else "the end"
-        return RuleError(f"{why} at {where} of {self.rule!r}")
-
-    def enter(self, tok: Tok) -> None:
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise self.fail(tok, f"nested more than {MAX_DEPTH} deep")
-
-    # grammar
-    def parse(self) -> Node:
-        node, kind = self.logic_or()
-        end = self.peek()
-        if end.kind != "end":
-            raise self.fail(end, f"unexpected {end.text!r}")
-        if kind != BOOL:
-            raise RuleError(f"rule {self.rule!r} is a number, not a condition; compare it, "
-                            "as in p99_ttft <= 1.1 * baseline")
-        return node
-
-    def logic_or(self) -> tuple[Node, str]:
-        return self._logic("or", self.logic_and)
-
-    def logic_and(self) -> tuple[Node, str]:
-        return self._logic("and", self.logic_not)
-
-    def _logic(self, op: str, sub: Callable[[], tuple[Node, str]]) -> tuple[Node, str]:
-        left, kind = sub()
-        while (tok := self.accept(op)) is not None:
-            right, rkind = sub()
-            if kind != BOOL or rkind != BOOL:
-                raise self.fail(tok, f"'{op}' joins conditions, not numbers")
-            left = Logic(op, left, right)
-        return left, kind
-
-    def logic_not(self) -> tuple[Node, str]:
-        tok = self.accept("not")
-        if tok is None:
-            return self.compare()
-        self.enter(tok)
-        operand, kind = self.logic_not()
-        self.depth -= 1
-        if kind != BOOL:
-            raise self.fail(tok, "'not' needs a condition")
-        return Not(operand), BOOL
-
-    def compare(self) -> tuple[Node, str]:
-        start = self.peek().col - 1
-        left, kind = self.sum()
-        tok = self.accept(*_COMPARE)
-        if tok is None:
-            return left, kind
-        right, rkind = self.sum()
-        if kind != NUM or rkind != NUM:
-            raise self.fail(tok, f"'{tok.text}' compares numbers")
-        if self.peek().text in _COMPARE:
-            raise self.fail(self.peek(), "chained comparisons are not supported; join them "
-                            "with 'and'")
-        text = self.rule[start:self.peek().col - 1].strip()
-        return _bind_subject(Compare(tok.text, left, right, text), self), BOOL
-
-    def sum(self) -> tuple[Node, str]:
-        return self._arith(("+", "-"), self.product)
-
-    def product(self) -> tuple[Node, str]:
-        return self._arith(("*", "/"), self.unary)
-
-    def _arith(self, ops: tuple[str, ...], sub: Callable[[], tuple[Node, str]]
-               ) -> tuple[Node, str]:
-        left, kind = sub()
-        while (tok := self.accept(*ops)) is not None:
-            right, rkind = sub()
-            if kind != NUM or rkind != NUM:
-                raise self.fail(tok, f"'{tok.text}' needs numbers on both sides")
-            left = Arith(tok.text, left, right)
-        return left, kind
-
-    def unary(self) -> tuple[Node, str]:
-        tok = self.accept("-", "+")
-        if tok is None:
-            return self.atom()
-        self.enter(tok)
-        operand, kind = self.unary()
-        self.depth -= 1
-        if kind != NUM:
-            raise self.fail(tok, f"'{tok.text}' needs a number")
-        return (Neg(operand) if tok.text == "-" else operand), NUM
-
-    def atom(self) -> tuple[Node, str]:
-        tok = self.take()
-        if tok.kind == "number":
-            return Num(float(tok.text)), NUM
-        if tok.kind == "op" and tok.text == "(":
-            self.enter(tok)
-            node, kind = self.logic_or()
-            self.depth -= 1
-            close = self.take()
-            if close.text != ")":
-                raise self.fail(close, "expected ')'")
-            return node, kind
-        if tok.kind == "name":
-            return self.name(tok), NUM
-        if tok.kind == "end":
-            raise self.fail(tok, "the rule ends too early")
-        raise self.fail(tok, f"unexpected {tok.text!r}")
-
-    def name(self, tok: Tok) -> Node:
-        dot = self.accept(".")
-        if tok.text in SIDES:
-            if dot is None:
-                return Subject(tok.text)
-            metric = self.take()
-            if metric.kind != "name" or metric.text in KEYWORDS:
-                raise self.fail(metric, f"expected a metric name after '{tok.text}.'")
-            return Metric(tok.text, self.metric(metric))
-        if dot is not None:
-            raise self.fail(dot, "'.' is allowed only in baseline.NAME or candidate.NAME")
-        if tok.text in KEYWORDS:
-            raise self.fail(tok, f"unexpected {tok.text!r}")
-        return Metric("candidate", self.metric(tok))
-
-    def metric(self, tok: Tok) -> str:
-        if tok.text not in self.known:
-            close = difflib.get_close_matches(tok.text, list(self.known), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise self.fail(tok, f"unknown metric {tok.text!r}{hint}")
-        return tok.text
-
-
-def _bind_subject(cmp: Compare, parser: _Parser) -> Compare:
-    names = sorted(_bare_metrics(cmp))
-    if not _has_subject(cmp):
-        return cmp
-    if len(names) != 1:
-        raise RuleError(f"in {cmp.text!r}: a bare baseline/candidate stands for the one "
-                        f"metric the comparison names, but it names {len(names) or 'none'}"
-                        + (f" ({', '.join(names)})" if names else "")
-                        + "; write baseline.NAME")
-    return Compare(cmp.op, _bind(cmp.left, names[0]), _bind(cmp.right, names[0]), cmp.text)
-
-
-def _children(node: Node) -> tuple[Node, ...]:
-    if isinstance(node, Arith | Compare | Logic):
-        return (node.left, node.right)
-    if isinstance(node, Neg | Not):
-        return (node.operand,)
-    return ()
-
-
-def _bare_metrics(node: Node) -> set[str]:
-    out = {node.name} if isinstance(node, Metric) else set()
-    for child in _children(node):
-        out |= _bare_metrics(child)
-    return out
-
-
-def _has_subject(node: Node) -> bool:
-    return isinstance(node, Subject) or any(_has_subject(c) for c in _children(node))
-
-
-def _bind(node: Node, name: str) -> Node:
-    if isinstance(node, Subject):
-        return Metric(node.side, name)
-    if isinstance(node, Arith):
-        return Arith(node.op, _bind(node.left, name), _bind(node.right, name))
-    if isinstance(node, Neg):
-        return Neg(_bind(node.operand, name))
-    return node
-
-
-# ------------------------------------------------------------------ evaluation
-
-
-@dataclass(frozen=True)
-class Rule:
-    text: str
-    tree: Node
-
-    def evaluate(self, baseline: Mapping[str, float | None],
-                 candidate: Mapping[str, float | None]) -> Verdict:
-        steps: list[str] = []
-        ok = bool(_eval(self.tree, {"baseline": baseline, "candidate": candidate}, steps))
-        return Verdict(self.text, ok, tuple(steps))
 
 
 @dataclass(frozen=True)
@@ -369,57 +68,262 @@ class Verdict:
     """Each comparison as evaluated: ``0.512 <= 0.495``."""
 
 
+@dataclass(frozen=True)
+class Rule:
+    text: str
+    tree: ast.expr
+    """Checked by :func:`parse_rule`: only whitelisted nodes, types consistent."""
+
+    def evaluate(self, baseline: Mapping[str, float | None],
+                 candidate: Mapping[str, float | None]) -> Verdict:
+        walk = _Evaluator(self.text, {"baseline": baseline, "candidate": candidate})
+        ok = bool(walk.eval(self.tree))
+        return Verdict(self.text, ok, tuple(walk.steps))
+
+
 def parse_rule(rule: str, known: Collection[str]) -> Rule:
-    return Rule(rule, _Parser(rule, known).parse())
+    """The rule, checked against the whitelist and ``known`` metric names; or RuleError."""
+    _check_text(rule)
+    if not rule.strip():
+        raise RuleError("the rule is empty")
+    try:
+        with warnings.catch_warnings():  # "1and x" parses, with a warning on stderr
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(_source(rule), mode="eval").body
+    except SyntaxError as exc:
+        raise _syntax_error(rule, exc) from None
+    if _Checker(rule, known).kind(tree, 0) != BOOL:
+        raise RuleError(f"rule {rule!r} is a number, not a condition; compare it, "
+                        "as in p99_ttft <= 1.1 * baseline")
+    return Rule(rule, tree)
 
 
-def _eval(node: Node, sides: Mapping[str, Mapping[str, float | None]], steps: list[str]
-          ) -> float | bool:
-    if isinstance(node, Num):
-        return node.value
-    if isinstance(node, Metric):
-        value = sides[node.side].get(node.name)
+def _source(rule: str) -> str:
+    """What Python parses: the rule on one line, in parentheses (so leading spaces are no
+    indent). The parentheses are balanced (:func:`_check_text`), so they only group; and a
+    node's 0-based ``col_offset`` in it is its 1-based column in the rule."""
+    return "(" + re.sub(r"\s", " ", rule) + ")"
+
+
+def _check_text(rule: str) -> None:
+    """Length, characters and parentheses, before Python's parser sees the text."""
+    if len(rule) > MAX_CHARS:
+        raise RuleError(f"rule is {len(rule)} characters long; at most {MAX_CHARS}")
+    bad = _BAD_CHAR.search(rule)
+    if bad is not None:
+        raise RuleError(f"unexpected character {bad.group()!r} at column {bad.start() + 1} of "
+                        f"{rule!r}; a rule uses {ALLOWED}")
+    equals = _LONE_EQUALS.search(rule)
+    if equals is not None:
+        raise RuleError(f"unexpected character '=' at column {equals.start() + 1} of {rule!r}; "
+                        "compare with ==")
+    depth = 0
+    for col, char in enumerate(rule, 1):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            raise RuleError(f"unexpected ')' at column {col} of {rule!r}")
+        if depth > MAX_DEPTH:
+            raise RuleError(f"nested more than {MAX_DEPTH} deep at column {col} of {rule!r}")
+    if depth:
+        raise RuleError(f"expected ')' at the end of {rule!r}")
+
+
+def _text(rule: str, node: ast.expr) -> str:
+    """The part of the rule, as written, that ``node`` was parsed from (see :func:`_source`)."""
+    return rule[node.col_offset - 1:(node.end_col_offset or 0) - 1]
+
+
+def _syntax_error(rule: str, exc: SyntaxError) -> RuleError:
+    col = max(1, (exc.offset or 0) - 1)
+    if not exc.offset or col > len(rule.rstrip()):
+        return RuleError(f"the rule ends too early: {rule!r}")
+    return RuleError(f"cannot read {rule!r} at column {col} ({exc.msg}); a rule uses "
+                     f"{ALLOWED}")
+
+
+# ------------------------------------------------------------------ the whitelist
+
+
+class _Checker:
+    """Walks the tree once: every node allowed, every name known, types consistent."""
+
+    def __init__(self, rule: str, known: Collection[str]) -> None:
+        self.rule = rule
+        self.known = known
+
+    def fail(self, node: ast.expr, why: str) -> RuleError:
+        return RuleError(f"{why} at column {node.col_offset} of {self.rule!r}")
+
+    def not_allowed(self, node: ast.expr, what: str) -> RuleError:
+        return RuleError(f"{what} at column {node.col_offset} of {self.rule!r} is not allowed; "
+                         f"a rule uses {ALLOWED}")
+
+    def kind(self, node: ast.expr, depth: int) -> str:
+        """BOOL or NUM; RuleError for anything off the whitelist."""
+        if isinstance(node, ast.Constant):
+            self.number(node)
+        elif isinstance(node, ast.Name):
+            if node.id not in SIDES:
+                self.metric(node, node.id)
+        elif isinstance(node, ast.Attribute):
+            if not (isinstance(node.value, ast.Name) and node.value.id in SIDES):
+                raise self.fail(node, "'.' is allowed only in baseline.NAME or candidate.NAME")
+            self.metric(node, node.attr)
+        elif isinstance(node, ast.UnaryOp):
+            return self.unary(node, depth + 1)
+        elif isinstance(node, ast.BinOp):
+            self.arith(node, depth)
+        elif isinstance(node, ast.BoolOp):
+            word = "and" if isinstance(node.op, ast.And) else "or"
+            if any(self.kind(v, depth) != BOOL for v in node.values):
+                raise self.fail(node, f"'{word}' joins conditions, not numbers")
+            return BOOL
+        elif isinstance(node, ast.Compare):
+            self.compare(node, depth)
+            return BOOL
+        else:
+            raise self.not_allowed(node, _describe(node))
+        return NUM
+
+    def number(self, node: ast.Constant) -> None:
+        text = _text(self.rule, node)
+        match = _NUMBER.fullmatch(text)
+        if type(node.value) not in (int, float) or match is None:
+            raise self.fail(node, f"{text!r} is not a number written in digits (as 12, 0.5 or "
+                            "1e-3)")
+        if match.group(1) is not None and len(match.group(1)) > 3:
+            raise self.fail(node, f"number {text!r}: exponent too large")
+        if not math.isfinite(float(text)):
+            raise self.fail(node, f"number {text!r} is not finite")
+
+    def metric(self, node: ast.expr, name: str) -> None:
+        if name not in self.known:
+            close = difflib.get_close_matches(name, list(self.known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise self.fail(node, f"unknown metric {name!r}{hint}")
+
+    def unary(self, node: ast.UnaryOp, depth: int) -> str:
+        if depth > MAX_DEPTH:
+            raise self.fail(node, f"nested more than {MAX_DEPTH} deep")
+        if isinstance(node.op, ast.Not):
+            if self.kind(node.operand, depth) != BOOL:
+                raise self.fail(node, "'not' needs a condition")
+            return BOOL
+        sign = {ast.USub: "-", ast.UAdd: "+"}.get(type(node.op))
+        if sign is None:
+            raise self.not_allowed(node, _describe(node))
+        if self.kind(node.operand, depth) != NUM:
+            raise self.fail(node, f"'{sign}' needs a number")
+        return NUM
+
+    def arith(self, node: ast.BinOp, depth: int) -> None:
+        if isinstance(node.op, ast.Pow):
+            raise RuleError(f"'**' at column {node.col_offset} of {self.rule!r}: powers are not "
+                            f"supported; a rule uses {ALLOWED}")
+        if type(node.op) not in _ARITH:
+            raise self.not_allowed(node, _describe(node.op))
+        if self.kind(node.left, depth) != NUM or self.kind(node.right, depth) != NUM:
+            raise self.fail(node, f"'{_ARITH[type(node.op)][0]}' needs numbers on both sides")
+
+    def compare(self, node: ast.Compare, depth: int) -> None:
+        if len(node.ops) > 1:
+            raise self.fail(node, "chained comparisons are not supported; join them with "
+                            "'and'")
+        if type(node.ops[0]) not in _COMPARE:
+            raise self.not_allowed(node, _describe(node.ops[0]))
+        symbol = _COMPARE[type(node.ops[0])][0]
+        if self.kind(node.left, depth) != NUM or self.kind(node.comparators[0], depth) != NUM:
+            raise self.fail(node, f"'{symbol}' compares numbers")
+        _subject(node, _text(self.rule, node))
+
+
+def _describe(node: ast.AST) -> str:
+    words = {ast.Call: "a call", ast.Is: "'is'", ast.IsNot: "'is not'", ast.In: "'in'",
+             ast.NotIn: "'not in'", ast.IfExp: "'if'", ast.Tuple: "'()' with nothing inside",
+             ast.FloorDiv: "'//'", ast.LShift: "'<<'", ast.RShift: "'>>'",
+             ast.Await: "'await'", ast.Yield: "'yield'"}
+    return words.get(type(node), f"a {type(node).__name__} expression")
+
+
+# ------------------------------------------------------------------ bare baseline/candidate
+
+
+def _subject(node: ast.Compare, text: str) -> str | None:
+    """The metric a bare ``baseline``/``candidate`` in this comparison stands for, if any:
+    the one metric it names, bare or as ``SIDE.NAME``."""
+    nodes = list(ast.walk(node))
+    sided = {id(n.value) for n in nodes if isinstance(n, ast.Attribute)}
+    if not any(isinstance(n, ast.Name) and n.id in SIDES and id(n) not in sided
+               for n in nodes):
+        return None
+    names = sorted({n.attr for n in nodes if isinstance(n, ast.Attribute)}
+                   | {n.id for n in nodes if isinstance(n, ast.Name) and n.id not in SIDES})
+    if len(names) != 1:
+        raise RuleError(f"in {text!r}: a bare baseline/candidate stands for the one "
+                        f"metric the comparison names, but it names {len(names) or 'none'}"
+                        + (f" ({', '.join(names)})" if names else "")
+                        + "; write baseline.NAME")
+    return names[0]
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+class _Evaluator:
+    """Evaluates a checked tree; every comparison is recorded as evaluated."""
+
+    def __init__(self, rule: str, sides: Sides) -> None:
+        self.rule = rule
+        self.sides = sides
+        self.steps: list[str] = []
+
+    def eval(self, node: ast.expr, subject: str | None = None) -> float | bool:
+        if isinstance(node, ast.Constant):
+            assert isinstance(node.value, int | float)  # the checker made sure
+            return float(node.value)
+        if isinstance(node, ast.Name):
+            if node.id in SIDES:
+                assert subject is not None  # the checker bound it
+                return self.metric(node.id, subject)
+            return self.metric("candidate", node.id)
+        if isinstance(node, ast.Attribute):
+            assert isinstance(node.value, ast.Name)
+            return self.metric(node.value.id, node.attr)
+        if isinstance(node, ast.UnaryOp):
+            value = self.eval(node.operand, subject)
+            if isinstance(node.op, ast.Not):
+                return not value
+            return -value if isinstance(node.op, ast.USub) else value
+        if isinstance(node, ast.BinOp):
+            return self.arith(node, subject)
+        if isinstance(node, ast.BoolOp):
+            values = [bool(self.eval(v)) for v in node.values]  # all: every step is shown
+            return all(values) if isinstance(node.op, ast.And) else any(values)
+        assert isinstance(node, ast.Compare)
+        return self.compare(node)
+
+    def metric(self, side: str, name: str) -> float:
+        value = self.sides[side].get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, int | float) \
                 or not math.isfinite(value):  # NaN passes `not x > y`: missing, refused
-            raise RuleError(f"metric {node.name!r} has no value in the {node.side}"
+            raise RuleError(f"metric {name!r} has no value in the {side}"
                             + ("" if value is None else f" ({value!r} is not a number)"))
         return float(value)
-    if isinstance(node, Neg):
-        return -_num(node.operand, sides, steps)
-    if isinstance(node, Arith):
-        return _arith(node, _num(node.left, sides, steps), _num(node.right, sides, steps))
-    if isinstance(node, Compare):
-        a, b = _num(node.left, sides, steps), _num(node.right, sides, steps)
-        result = _COMPARE[node.op](a, b)
-        steps.append(f"{node.text}: {a:.6g} {node.op} {b:.6g}")
+
+    def arith(self, node: ast.BinOp, subject: str | None) -> float:
+        a, b = self.eval(node.left, subject), self.eval(node.right, subject)
+        if isinstance(node.op, ast.Div) and b == 0:
+            raise RuleError("division by zero while evaluating the rule")
+        result = _ARITH[type(node.op)][1](a, b)
+        if not math.isfinite(result):
+            raise RuleError("a value overflowed while evaluating the rule")
         return result
-    if isinstance(node, Not):
-        return not _eval(node.operand, sides, steps)
-    if isinstance(node, Logic):
-        left = bool(_eval(node.left, sides, steps))
-        right = bool(_eval(node.right, sides, steps))  # both sides: every step is shown
-        return (left and right) if node.op == "and" else (left or right)
-    raise RuleError(f"unbound {node!r}")  # a Subject outside any comparison
 
-
-def _num(node: Node, sides: Mapping[str, Mapping[str, float | None]], steps: list[str]
-         ) -> float:
-    value = _eval(node, sides, steps)
-    assert not isinstance(value, bool)  # the parser checked the types
-    return value
-
-
-def _arith(node: Arith, a: float, b: float) -> float:
-    if node.op == "/" and b == 0:
-        raise RuleError("division by zero while evaluating the rule")
-    if node.op == "+":
-        result = a + b
-    elif node.op == "-":
-        result = a - b
-    elif node.op == "*":
-        result = a * b
-    else:
-        result = a / b
-    if not math.isfinite(result):
-        raise RuleError("a value overflowed while evaluating the rule")
-    return result
+    def compare(self, node: ast.Compare) -> bool:
+        text = _text(self.rule, node)
+        subject = _subject(node, text)
+        a, b = self.eval(node.left, subject), self.eval(node.comparators[0], subject)
+        symbol, op = _COMPARE[type(node.ops[0])]
+        result = op(a, b)
+        self.steps.append(f"{text}: {a:.6g} {symbol} {b:.6g}")
+        return result
