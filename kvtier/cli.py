@@ -15,8 +15,8 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from kvtier import __version__
 from kvtier.errors import KvtierError
+from kvtier.version import __version__
 
 _PLUGINS = {
     "serve": "kvtier.vllm.serve",

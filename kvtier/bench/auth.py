@@ -156,5 +156,5 @@ def _held(store: TieredStore, put: Callable[[], None], done: Callable[[], bool]
 
 
 def _rejected(store: TieredStore, what: str) -> int:
-    sharing = store.tiers[0].sharing
+    sharing = store.sharing.get(store.tiers[0].name)
     return 0 if sharing is None else sharing.rejected.get(what, 0)

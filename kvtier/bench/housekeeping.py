@@ -80,9 +80,12 @@ def _index(store: TieredStore, chunks: int, payload: int) -> None:
     raw = np.random.default_rng(7).bytes(32 * chunks)
     disk = store.tiers[0]
     size = stored_size(payload)
-    with store._locked("bench-index"):
+
+    def index_all() -> None:
         for i in range(chunks):
             disk.index(ChunkKey(raw[32 * i : 32 * i + 32]), size, 35, NS)
+
+    store.apply("bench-index", index_all)
 
 
 def _hold(store: TieredStore, clients: int, payload: int) -> None:
@@ -97,7 +100,7 @@ def _hold(store: TieredStore, clients: int, payload: int) -> None:
 
 
 def _scan(store: TieredStore) -> float:
-    start = time.thread_time()
-    with store._locked("bench-scan"):
-        sum(1 for _ in store.tiers[0].sizes.values())
-    return time.thread_time() - start
+    sizes = store.tiers[0].sizes
+    store.lock_cpu_max_s.pop("bench-scan", None)
+    store.apply("bench-scan", lambda: sum(1 for _ in sizes.values()))
+    return store.lock_cpu_max_s["bench-scan"]

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
-from kvtier import __version__
 from kvtier.codec import HEADER_SIZE
 from kvtier.errors import IntegrityError, InvalidRequest
 from kvtier.protocol import (
@@ -56,6 +55,7 @@ from kvtier.protocol import (
 )
 from kvtier.store import TieredStore
 from kvtier.store.records import ItemState, LeaseRecord
+from kvtier.version import __version__
 
 log = logging.getLogger("kvtier.server")
 _LABEL = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

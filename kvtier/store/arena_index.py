@@ -1,9 +1,13 @@
 """The arena's books: its slots, the chunk in each, and their eviction order.
 
 One :class:`~kvtier.store.records.Entry` per chunk holding a slot; a chunk enters with
-:meth:`ArenaIndex.take` (RESERVED or PROMOTING), becomes servable with :meth:`publish` and
-leaves with :meth:`drop` (which frees the slot). Slots of entries that are leased, being
-written below or being promoted are protected: the eviction order never names them::
+:meth:`ArenaIndex.take` (RESERVED or PROMOTING), becomes servable with :meth:`publish` (or
+:meth:`promoted`) and leaves with :meth:`drop` (which frees the slot). Every change of an
+entry is a method here: the copies below it (:meth:`start_write`, :meth:`end_write`), its
+demotion (:meth:`start_demotion`, :meth:`rescue`, :meth:`end_demotion`), its read from a
+lower tier (:meth:`promoting`, :meth:`promoted`) and its header page (:meth:`seal`).
+Slots of entries that are leased, being written below or being promoted are protected: the
+eviction order never names them::
 
     entries[key].slot ◄──► arena slot (WRITING or READY)      one to one
     READY or PROMOTING entries ────► eviction policy           unless demoting
@@ -11,8 +15,12 @@ written below or being promoted are protected: the eviction order never names th
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Hashable, Iterator
 
+from kvtier.auth import Keyring
+from kvtier.codec import seal
 from kvtier.config import ArenaConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
@@ -20,6 +28,10 @@ from kvtier.policies import EvictionPolicy, make_eviction
 from kvtier.store.events import REMOVED, STORED, EventLog
 from kvtier.store.records import Entry, Where
 from kvtier.tiers.arena import Arena
+
+log = logging.getLogger("kvtier.store")
+SEAL_LOCKS = [threading.Lock() for _ in range(64)]
+"""Sealing runs on I/O threads, outside the store lock: one seal per slot at a time."""
 
 
 class ArenaIndex:
@@ -57,6 +69,66 @@ class ArenaIndex:
         entry.where = Where.READY
         if self.events is not None:
             self.events.add(STORED, "arena", entry.namespace_fp, entry.key)
+
+    def describe(self, entry: Entry, namespace_fp: bytes, tokens: int, payload_len: int,
+                 prefix_tokens: int) -> None:
+        """What a reserved slot will hold (the header :meth:`seal` writes, admission's view)."""
+        entry.namespace_fp, entry.tokens, entry.payload_len = namespace_fp, tokens, payload_len
+        entry.prefix_tokens = prefix_tokens
+
+    def promoting(self, entry: Entry, tier: str) -> None:
+        """``entry`` (a fresh PROMOTING slot) is read from ``tier``."""
+        entry.reading = tier
+
+    def promoted(self, entry: Entry, namespace_fp: bytes, tokens: int, payload_len: int
+                 ) -> None:
+        """The read from below ended with a verified chunk (its header says what it is):
+        the chunk is servable, its slot already sealed."""
+        entry.reading = None
+        entry.namespace_fp, entry.tokens = namespace_fp, tokens
+        entry.payload_len, entry.sealed = payload_len, True
+        self.publish(entry)  # already in the eviction order since its lease
+
+    def start_write(self, entry: Entry, tier: str) -> None:
+        """A copy of the slot to ``tier`` begins: the slot stays put until it ends."""
+        entry.writing.add(tier)
+
+    def end_write(self, entry: Entry, tier: str) -> None:
+        entry.writing.discard(tier)
+
+    def start_demotion(self, entry: Entry) -> None:
+        """``entry`` left the eviction order to be written back; its slot is freed when the
+        last write ends (:meth:`end_demotion`)."""
+        entry.demoting = True
+
+    def rescue(self, entry: Entry) -> None:
+        """A use while demoting: the chunk rejoins the eviction order when its writes end."""
+        entry.rescued = entry.rescued or entry.demoting
+
+    def end_demotion(self, entry: Entry) -> None:
+        """The write-back ended: a chunk leased or used meanwhile stays, hot again; any
+        other leaves the arena."""
+        entry.demoting = False
+        if self.arena.leases[entry.slot] or entry.rescued:
+            entry.rescued = False
+            self.join_order(entry)
+        else:
+            self.drop(entry)
+
+    def seal(self, entry: Entry, view: memoryview, keyring: Keyring | None) -> bool:
+        """Write the header page of ``entry``'s slot (once); False if a field is bad (that
+        write fails; the entry is not stranded). Runs on I/O threads."""
+        with SEAL_LOCKS[entry.slot % len(SEAL_LOCKS)]:
+            if entry.sealed:
+                return True
+            try:
+                seal(view, entry.namespace_fp, entry.key, entry.tokens, entry.payload_len,
+                     entry.priority, keyring)
+            except Exception:  # a bad field must fail this write, not strand the entry
+                log.exception("cannot seal chunk %s", entry.key.hex()[:16])
+                return False
+            entry.sealed = True
+            return True
 
     def drop(self, entry: Entry) -> None:
         """The chunk leaves the arena; its slot is free again."""

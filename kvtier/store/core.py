@@ -2,13 +2,19 @@
 
 ::
 
-    TieredStore (this file: the operations; one lock for all)
-      ├── ArenaIndex      arena slots, the chunk in each, their eviction order
+    TieredStore (this file: the operations; the only code that takes the one lock)
+      ├── ArenaIndex      arena slots, the chunk (Entry) in each, their eviction order
       ├── Holdings        reservations: key -> owner, deadline
       ├── LeaseTable      leases: id -> items, owner, deadline; waiters per key
       ├── LowerTierState  per lower tier: books, policy, admission, I/O pool, breaker, speed
-      ├── Writes          arena -> lower tiers (through, back, demotion) and deletes
-      └── Promotions      lower tier -> arena, for leases
+      │     └── Sharing   a shared tier's books kept in step with other servers' (journal)
+      ├── Writes          arena -> lower tiers (through, back, demotion), deletes; arena room
+      ├── Promotions      lower tier -> arena, for leases
+      ├── Loads           the lease of a prefix, its release (lock held)
+      └── Housekeeper     the periodic work on the lower tiers
+
+Components that finish work on other threads change state through :meth:`TieredStore.apply`
+(:mod:`kvtier.store.locking`), which times every hold of the lock.
 
 Operations clients see:
 
@@ -32,11 +38,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from kvtier.auth import Keyring, load_keyring
 from kvtier.config import ServerConfig
@@ -54,7 +59,8 @@ from kvtier.store.housekeeping import Housekeeper
 from kvtier.store.integrity import check_store
 from kvtier.store.leases import LeaseTable
 from kvtier.store.loads import Loads
-from kvtier.store.lower import LowerTierState
+from kvtier.store.locking import Hold, StoreLock
+from kvtier.store.lower import LowerTierState, record_use
 from kvtier.store.promotions import Promotions
 from kvtier.store.records import Entry, LeaseRecord, Where
 from kvtier.store.scan import bounded_scan, newest_that_fit
@@ -65,6 +71,7 @@ from kvtier.tiers.arena import Arena
 log = logging.getLogger("kvtier.store")
 ARENA = "arena"
 EXPIRE_BATCH = 64
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,11 +98,11 @@ class TieredStore:
         """Random per start: names this server in hellos and on shared tiers."""
         self.metrics = metrics or StoreMetrics()
         self.clock = clock
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self.lock_max_s: dict[str, float] = {}
-        """The longest hold of the store lock per operation (see :meth:`_locked`)."""
-        self.lock_cpu_max_s: dict[str, float] = {}
+        self._lock = StoreLock()
+        self.lock_max_s = self._lock.max_s
+        """The longest hold of the store lock per operation, wall time (see
+        :class:`~kvtier.store.locking.StoreLock`)."""
+        self.lock_cpu_max_s = self._lock.cpu_max_s
         self.events = EventLog()
         """What became servable in which tier, and what left (for engines' KV events)."""
         self.index = ArenaIndex(config.arena, arena_name, self.events)
@@ -108,23 +115,27 @@ class TieredStore:
         self.tiers_by_name = {state.name: state for state in self.tiers}
         self.reservations: Holdings[ChunkKey] = Holdings()
         self.leases = LeaseTable()
-        self.promotions = Promotions(self.index, self.leases, self.metrics, self._cond, clock,
+        self.promotions = Promotions(self.index, self.leases, self.metrics, self.apply, clock,
                                      self.keyring)
-        self.writes = Writes(self.index, self.tiers, self.metrics, self._cond, self._reading,
+        self.writes = Writes(self.index, self.tiers, self.metrics, self.apply, self._reading,
                              self.keyring)
-        self.loads = Loads(self)
+        self.loads = Loads(self.index, self.leases, self.promotions, self.writes, self.tiers,
+                           self.metrics)
         write_back = any(t.write_back for t in self.tiers)
         # Freeing ahead of need only pays when freeing means a write (write-back).
         ac = config.arena
         self._free_target = int(ac.free_target * ac.num_slots) if write_back else 0
-        self._housekeeper = Housekeeper(self.tiers, self._locked, self.clock,
-                                        self.instance)
+        self._housekeeper = Housekeeper(self.tiers, self.apply, self.clock, self.instance)
         self._closed = False
+        self.sharing: dict[str, Sharing] = {}
+        """Per shared tier (by name): its journal, sweeps and heartbeats."""
         for state in self.tiers:
             if state.tier.shared:
-                state.sharing = Sharing(state, self.instance, self._locked, self._reading,
-                                        self._swept, self.keyring, self._untrusted)
-                state.sharing.start()
+                sharing = Sharing(state, self.instance, self.apply, self._reading,
+                                  self._swept, self.keyring, self._untrusted)
+                state.share(sharing)
+                self.sharing[state.name] = sharing
+                sharing.start()
         self._set_gauges()
 
     def _tier(self, index: int) -> LowerTierState:
@@ -152,22 +163,19 @@ class TieredStore:
     def entries(self) -> dict[ChunkKey, Entry]:
         return self.index.entries
 
-    @contextlib.contextmanager
-    def _locked(self, section: str) -> Iterator[None]:
-        """Hold the store lock, recording the longest hold per section: in wall time (what
-        other clients waited) and in this thread's CPU time (the store's own work, which a
-        busy machine's preemption does not inflate)."""
-        with self._lock:
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                yield
-            finally:
-                held = time.perf_counter() - start
-                if held > self.lock_max_s.get(section, 0.0):
-                    self.lock_max_s[section] = held
-                work = time.thread_time() - cpu
-                if work > self.lock_cpu_max_s.get(section, 0.0):
-                    self.lock_cpu_max_s[section] = work
+    def _locked(self, section: str) -> contextlib.AbstractContextManager[Hold]:
+        """Hold the store lock, the hold timed under ``section`` (a wait on the store,
+        ``hold.wait``, ends one timed hold and waking up begins the next)."""
+        return self._lock.held(section)
+
+    def apply(self, section: str, change: Callable[[], T]) -> T:
+        """Run ``change`` under the store lock (timed under ``section``) and wake whoever
+        waits on the store; returns what it returned. The one way other threads' work
+        (I/O outcomes, housekeeping, journals) changes the store's state."""
+        with self._locked(section) as hold:
+            out = change()
+            hold.notify_all()
+        return out
 
     # ------------------------------------------------------------------ start
 
@@ -190,13 +198,14 @@ class TieredStore:
             return 0
         state.learn_space(space)
         usable = state.plausible_only(listed)
-        if state.sharing is not None:  # others' chunks too; budgets are the sweeper's
-            state.sharing.listed(started_ms)
+        sharing = self.sharing.get(state.name)
+        if sharing is not None:  # others' chunks too; budgets are the sweeper's
+            sharing.listed(started_ms)
             room = sum(c.size for c in usable)
         else:
             room = state.capacity - state.used
         kept, left = newest_that_fit(usable, room)  # if the tier shrank, the oldest go
-        if state.sharing is None:  # this node's own files that no slot here can take
+        if sharing is None:  # this node's own files that no slot here can take
             left += [c for c in listed if not state.plausible(c.size)]
         with self._locked("rebuild"):
             for chunk in left:
@@ -213,8 +222,7 @@ class TieredStore:
         log.warning("tier %s: cannot list what it holds at start (%s); starting with it "
                     "empty and bypassed until it answers again", state.name, exc)
         with self._locked("rebuild"):
-            state.breaker.trip(f"listing at start failed: {exc}")
-            state.rescan = state.sharing is None  # sharing relists a tier it fell behind on
+            state.unlisted(f"listing at start failed: {exc}")
 
     # ------------------------------------------------------------------ lookup
 
@@ -226,16 +234,21 @@ class TieredStore:
         check_keys(keys)
         now = self.clock()
         with self._locked("lookup"):
-            tiers: list[str] = []
-            for key in keys:
-                tier = self._servable(key)
-                if tier is None:
-                    break
-                tiers.append(tier)
+            tiers = [tier for _key, tier in self._prefix(keys)]
             arrivals = self._arrivals(tiers, now)
         self.metrics.lookup_chunks.labels("hit").inc(len(tiers))
         self.metrics.lookup_chunks.labels("miss").inc(len(keys) - len(tiers))
         return Hit(tiers, arrivals)
+
+    def _prefix(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, str]]:
+        """The longest servable prefix of ``keys``, each with its tier (lock held)."""
+        prefix: list[tuple[ChunkKey, str]] = []
+        for key in keys:
+            tier = self._servable(key)
+            if tier is None:
+                break
+            prefix.append((key, tier))
+        return prefix
 
     def _servable(self, key: ChunkKey) -> str | None:
         """Where ``key`` can be leased from now (None: it cannot): the one predicate of
@@ -296,7 +309,7 @@ class TieredStore:
     def _reserve_one(self, owner: int, key: ChunkKey, deadline: float, namespace_fp: bytes,
                      tokens: int, payload_len: int, priority: int, prefix_tokens: int
                      ) -> int | None:
-        self._record_use(key)
+        record_use(self.tiers, key)
         entry = self.index.get(key)
         if entry is not None:
             if entry.where is Where.READY:
@@ -305,12 +318,11 @@ class TieredStore:
             self.metrics.store_refusals.labels("present").inc()
             return None
         below = [p for s in self.tiers if (p := s.policy.priority(key)) is not None]
-        entry = self._take(key, Where.RESERVED, max([priority, *below]))
+        entry = self.writes.take(key, Where.RESERVED, max([priority, *below]))
         if entry is None:
             self.metrics.store_refusals.labels("arena_full").inc()
             return None
-        entry.namespace_fp, entry.tokens, entry.payload_len = namespace_fp, tokens, payload_len
-        entry.prefix_tokens = prefix_tokens
+        self.index.describe(entry, namespace_fp, tokens, payload_len, prefix_tokens)
         try:
             self.reservations.add(key, owner, deadline)
         except BaseException:
@@ -327,7 +339,7 @@ class TieredStore:
         """
         check_keys(keys)
         count = 0
-        with self._locked("commit"):
+        with self._locked("commit") as hold:
             for key in reversed(keys):
                 if not self.reservations.held_by(key, owner):
                     continue
@@ -336,17 +348,17 @@ class TieredStore:
                 self.reservations.remove(key)
                 self.writes.through(entry)
                 count += 1
-            self._free_ahead()
-            self._cond.notify_all()
+            self.writes.free_ahead(self._free_target)
+            hold.notify_all()
         self._set_gauges()
         return count
 
     def abort(self, keys: Sequence[ChunkKey], owner: int | None = None) -> int:
         """Drop reserved chunks of ``owner`` (any, for ``None``); returns how many."""
         check_keys(keys)
-        with self._locked("abort"):
+        with self._locked("abort") as hold:
             count = sum(self._abort_one(key, owner) for key in keys)
-            self._cond.notify_all()
+            hold.notify_all()
         return count
 
     def _abort_one(self, key: ChunkKey, owner: int | None) -> bool:
@@ -366,51 +378,51 @@ class TieredStore:
             for key in keys:
                 self.index.set_priority(key, priority)
                 for state in self.tiers:
-                    state.policy.set_priority(key, priority)
+                    state.set_priority(key, priority)
 
     # ------------------------------------------------------------------ two-phase load
 
     def lease(self, owner: int, keys: Sequence[ChunkKey]) -> LeaseRecord:
-        """Lease the longest available prefix of ``keys`` (see :mod:`kvtier.store.loads`)."""
-        return self.loads.lease(owner, keys)
+        """Lease the longest available prefix of ``keys``; lower-tier chunks of it are
+        promoted (see :meth:`kvtier.store.loads.Loads.lease`)."""
+        check_keys(keys)
+        deadline = self.clock() + self.config.lease_ttl_s
+        with self._locked("lease"):
+            record = self.loads.lease(owner, self._prefix(keys), deadline)
+        for item in record.items:
+            self.metrics.hits.labels(item.tier).inc()
+        return record
 
     def wait(self, lease_id: int, timeout_s: float, owner: int | None = None) -> LeaseRecord:
-        return self.loads.wait(lease_id, timeout_s, owner)
+        """Block until the lease has no pending chunk or the timeout passes.
+
+        Waiting renews the lease: a client that asks is alive."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._locked("wait") as hold:
+            record = self.leases.get(lease_id, owner)
+            self.leases.renew(lease_id, self.clock() + self.config.lease_ttl_s)
+            while not record.done and not self._closed and not record.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                hold.wait(left)
+            return record
 
     def release(self, lease_id: int, owner: int | None = None) -> None:
-        self.loads.release(lease_id, owner)
+        """End a lease of ``owner`` (any, for ``None``); InvalidRequest for another's."""
+        with self._locked("release") as hold:
+            self.loads.release(lease_id, owner)
+            hold.notify_all()
 
     def renew(self, lease_id: int) -> None:
-        self.loads.renew(lease_id)
+        with self._locked("renew"):
+            self.loads.renew(lease_id, self.clock() + self.config.lease_ttl_s)
 
-    # ------------------------------------------------------------------ space in the arena
-
-    def _take(self, key: ChunkKey, where: Where, priority: int) -> Entry | None:
-        entry = self.index.take(key, where, priority)
-        while entry is None:
-            victim = self.index.victim()
-            if victim is None:
-                return None
-            if not self.writes.evict(victim):
-                return None  # written back first: one victim per slot, not the whole arena
-            entry = self.index.take(key, where, priority)
-        return entry
-
-    def _free_ahead(self) -> None:
-        """Keep ``free_target`` slots free or on their way to free (write-back ahead)."""
-        while self.index.free_slots + self.writes.demoting < self._free_target:
-            victim = self.index.victim()
-            if victim is None:
-                return
-            self.writes.evict(victim)
+    # ------------------------------------------------------------------ lower tiers' callbacks
 
     def _reading(self, state: LowerTierState, key: Hashable) -> bool:
         entry = self.index.entries.get(key)  # type: ignore[call-overload]
         return entry is not None and entry.reading == state.name
-
-    def _record_use(self, key: ChunkKey) -> None:
-        for state in self.tiers:
-            state.record_use(key)
 
     # ------------------------------------------------------------------ clients coming, going
 
@@ -441,15 +453,15 @@ class TieredStore:
         of EXPIRE_BATCH per lock hold (a burst of expiries never stalls other clients)."""
         now = self.clock() if now is None else now
         while True:
-            with self._locked("expire"):
+            with self._locked("expire") as hold:
                 records = self.leases.expired(now, EXPIRE_BATCH)
                 for record in records:
                     self.loads.unpin(record)
                 reserved = self.reservations.expired(now, EXPIRE_BATCH)
                 for key in reserved:
                     self.index.drop(self.index.entries[key])
-                if reserved:
-                    self._cond.notify_all()
+                if records or reserved:
+                    hold.notify_all()
             if records:
                 self.metrics.leases_expired.labels("lease").inc(len(records))
             if reserved:
@@ -492,18 +504,19 @@ class TieredStore:
 
     def stats(self) -> dict[str, object]:
         with self._locked("stats"):
-            return views.stats(self)
+            return views.stats(self.index, self.tiers, self.metrics, self.clock(),
+                               leases=self.leases, reservations=self.reservations)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until no lower-tier write, delete or promotion is in flight. True if drained."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._locked("flush") as hold:
             while (self.writes.in_flight or self.promotions.in_flight
                    or any(state.deleting for state in self.tiers)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(left)
+                hold.wait(left)
         self._set_gauges()
         return True
 
@@ -514,12 +527,12 @@ class TieredStore:
             with self._locked("close"):
                 self.writes.back_all()
         self.flush(drain_s)
-        with self._cond:
+        with self._locked("close") as hold:
             self._closed = True
-            self._cond.notify_all()
+            hold.notify_all()
+        for sharing in self.sharing.values():
+            sharing.close()
         for state in self.tiers:
-            if state.sharing is not None:
-                state.sharing.close()
             state.close(wait_s=0)
         self.index.arena.close()
         self.index.arena.unlink()
@@ -527,7 +540,8 @@ class TieredStore:
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the entries, the leases and the tiers disagree."""
         with self._locked("check_integrity"):
-            check_store(self)
+            check_store(self.index, self.leases, self.reservations, self.tiers, self.writes,
+                        self.promotions)
 
     def _set_gauges(self) -> None:
-        views.set_gauges(self)
+        views.set_gauges(self.index, self.tiers, self.metrics, self.clock(), self.lock_max_s)

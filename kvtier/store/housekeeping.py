@@ -7,30 +7,31 @@
 - listing again: a tier whose listing failed at start is listed once its breaker closes;
 - space: every few seconds each tier's filesystem is asked what it can still hold.
 
-Each step holds the store lock only for the state it changes; the probe and ``statvfs``
-run on the tier's pool, bounded by its timeout like any other I/O.
+Each step has the store apply only the change it makes (:mod:`kvtier.store.locking`), one
+short lock hold each; the probe and ``statvfs`` run on the tier's pool, bounded by its
+timeout like any other I/O.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import mmap
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 from kvtier import codec
 from kvtier.errors import CorruptChunkError, TierError, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store.iopool import Job
+from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
 from kvtier.store.scan import newest_that_fit
 from kvtier.tiers.base import StoredChunk
 
 log = logging.getLogger("kvtier.store")
-Locked = Callable[[str], AbstractContextManager[None]]
 SPACE_CHECK_S = 5.0
 BATCH = 64
 """Jobs whose time ran out handled per lock hold."""
@@ -41,12 +42,12 @@ PROBE_NAMESPACE = bytes(32)
 
 
 class Housekeeper:
-    def __init__(self, tiers: list[LowerTierState], locked: Locked,
+    def __init__(self, tiers: list[LowerTierState], apply: Apply,
                  clock: Callable[[], float], instance: str = "") -> None:
         self.tiers = tiers
         self.instance = instance
         """This server's id: its probe chunks are its own on a tier others probe too."""
-        self.locked = locked
+        self.apply = apply
         self.clock = clock
         self._space_checked = -SPACE_CHECK_S
 
@@ -54,11 +55,8 @@ class Housekeeper:
         for state in self.tiers:
             self._overdue(state)
             if state.full_until is not None:
-                with self.locked("space"):
-                    state.cool_down()
-            with self.locked("breaker"):
-                due = state.breaker.probe_due()
-            if due:
+                self.apply("space", state.cool_down)
+            if self.apply("breaker", state.breaker.probe_due):
                 self._probe(state)
             if state.rescan and state.available:
                 self._rescan(state)
@@ -73,9 +71,7 @@ class Housekeeper:
         calls = [j.on_abandon for j in abandoned if j.on_abandon is not None]
         calls += [j.on_late for j in late if j.on_late is not None]
         for start in range(0, len(calls), BATCH):  # a hung tier's whole queue, in batches
-            with self.locked("overdue"):
-                for call in calls[start : start + BATCH]:
-                    call()
+            self.apply("overdue", functools.partial(_call_all, calls[start : start + BATCH]))
 
     def _probe(self, state: LowerTierState) -> None:
         def run(job: Job) -> None:
@@ -87,8 +83,8 @@ class Housekeeper:
                 error = f"{type(exc).__name__}: {exc}"
             elapsed = time.perf_counter() - start
             if not job.late:
-                with self.locked("probe"):
-                    state.breaker.probe_result(not error, elapsed, error)
+                self.apply("probe", functools.partial(state.breaker.probe_result, not error,
+                                                      elapsed, error))
 
         def gave_up() -> None:
             state.breaker.probe_result(False, state.config.io_timeout_s, "probe timed out")
@@ -99,31 +95,25 @@ class Housekeeper:
         """List a tier whose listing failed at start, now that it answers again: of what it
         holds and the books lack, the newest that fit are indexed (oldest first, as at
         start); the rest stays on the tier until the next start's listing."""
-        with self.locked("rescan"):
-            state.rescan = False
-
-        def again() -> None:
-            state.rescan = True
+        self.apply("rescan", state.start_rescan)
 
         def run(_job: Job) -> None:
             try:
                 listed = state.plausible_only(state.tier.scan())
             except TierError as exc:
                 log.warning("tier %s: listing it again failed: %s", state.name, exc)
-                with self.locked("rescan"):
-                    again()
+                self.apply("rescan", state.rescan_later)
                 return
-            with self.locked("rescan"):  # a snapshot: the live check is _index_found's
-                held = set(state.sizes)
-                room = state.capacity - state.used - state.reserved
+            # a snapshot: the live check is _index_found's
+            held, room = self.apply("rescan", functools.partial(_room, state))
             found, _left = newest_that_fit([c for c in listed if c.key not in held], room)
             for start in range(0, len(found), RESCAN_BATCH):
-                with self.locked("rescan"):
-                    self._index_found(state, found[start : start + RESCAN_BATCH])
+                self.apply("rescan", functools.partial(self._index_found, state,
+                                                       found[start : start + RESCAN_BATCH]))
             log.info("tier %s: listed again, %d chunks, %d bytes in the books", state.name,
                      len(state.sizes), state.used)
 
-        state.pool.submit(run, on_abandon=again)
+        state.pool.submit(run, on_abandon=state.rescan_later)  # called under the lock
 
     @staticmethod
     def _index_found(state: LowerTierState, chunks: list[StoredChunk]) -> None:
@@ -138,10 +128,19 @@ class Housekeeper:
         def run(_job: Job) -> None:
             space = state.tier.space()
             if space is not None:
-                with self.locked("space"):
-                    state.learn_space(space)
+                self.apply("space", functools.partial(state.learn_space, space))
 
         state.pool.submit(run)
+
+
+def _call_all(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
+def _room(state: LowerTierState) -> tuple[set[ChunkKey], int]:
+    """What the tier's books hold, and the room left in them (lock held)."""
+    return set(state.sizes), state.capacity - state.used - state.reserved
 
 
 def probe_key(tier: str, instance: str) -> ChunkKey:

@@ -13,13 +13,20 @@ estimate::
 and at once when a write fails with ENOSPC (for a backend that cannot report its free space,
 until a cool-down passes). Writes then evict older chunks to make room, and
 the change is logged once (not once per chunk).
+
+The books change only through the methods here: a write is promised room
+(:meth:`LowerTierState.make_room`), then either :meth:`stored` or :meth:`release`-d; an evicted
+chunk is marked deleting until its delete ran (:meth:`mark_deleting`, :meth:`deleted`,
+:meth:`clear_deleting`). What this server changes on a shared tier is told to its journal
+(:class:`Journal`, attached with :meth:`share`); what came from the other servers' journals
+(:meth:`index`, :meth:`forget`) is not told back.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
@@ -39,13 +46,27 @@ from kvtier.store.iopool import IOPool
 from kvtier.tiers import TIERS, LowerTier, Space
 from kvtier.tiers.base import StoredChunk
 
-if TYPE_CHECKING:
-    from kvtier.store.sharing import Sharing
-
 log = logging.getLogger("kvtier.store")
 FULL_COOL_DOWN_S = 5.0
 """How long a tier without ``space()`` stays held to what it has after a write refused as full
 (the interval at which file tiers' free space is read)."""
+
+
+class Journal(Protocol):
+    """What this server tells the other servers of a shared tier
+    (:class:`kvtier.store.sharing.Sharing`), under the store lock."""
+
+    def wrote(self, key: ChunkKey, namespace: bytes, size: int) -> None: ...
+
+    def deleted(self, key: ChunkKey, namespace: bytes) -> None: ...
+
+    def used(self, key: ChunkKey, namespace: bytes) -> None: ...
+
+
+def record_use(tiers: Iterable[LowerTierState], key: ChunkKey) -> None:
+    """One use of ``key`` (a reserve or a lease), for every tier's admission rules."""
+    for state in tiers:
+        state.record_use(key)
 
 
 class LowerTierState:
@@ -87,8 +108,12 @@ class LowerTierState:
         """Set while a tier without ``space()`` is held to what it has (see learn_space)."""
         self.rescan = False
         """The listing at start failed: list the tier once its breaker closes again."""
-        self.sharing: Sharing | None = None
+        self.sharing: Journal | None = None
         """For a shared tier: what keeps these books in step with the other servers'."""
+
+    def share(self, journal: Journal) -> None:
+        """Tell ``journal`` what this server writes, deletes and uses on the tier."""
+        self.sharing = journal
 
     def __contains__(self, key: object) -> bool:
         return key in self.sizes
@@ -155,6 +180,64 @@ class LowerTierState:
                 self._event(REMOVED, victims[-1][1], key)
         self.reserved += size
         return victims
+
+    def touch(self, key: ChunkKey) -> None:
+        """A use of a held chunk (a lease here, a peer's hit): later in the eviction order."""
+        self.policy.touch(key)
+
+    def set_priority(self, key: ChunkKey, priority: int) -> None:
+        self.policy.set_priority(key, priority)
+
+    def release(self, promised: int) -> None:
+        """A write promised ``promised`` bytes by :meth:`make_room` stored nothing."""
+        self.reserved -= promised
+
+    def stored(self, key: ChunkKey, size: int, promised: int, priority: int,
+               namespace: bytes) -> None:
+        """This server's write of ``key`` finished: in the books, and told to the journal."""
+        self.added(key, size, promised, priority, namespace)
+        if self.sharing is not None:
+            self.sharing.wrote(key, namespace, size)
+
+    def mark_deleting(self, key: ChunkKey) -> None:
+        """A delete of ``key`` (already out of the books) is queued: no write until it ran."""
+        self.deleting.add(key)
+
+    def clear_deleting(self, key: ChunkKey) -> None:
+        """The queued delete of ``key`` failed or was given up (it may be queued again)."""
+        self.deleting.discard(key)
+
+    def deleted(self, key: ChunkKey, namespace: bytes) -> None:
+        """The queued delete of ``key`` ran: told to the journal."""
+        self.deleting.discard(key)
+        if self.sharing is not None:
+            self.sharing.deleted(key, namespace)
+
+    def lost(self, key: ChunkKey) -> None:
+        """A read found ``key`` missing or corrupt (quarantined): out of the books, and
+        told to the journal."""
+        namespace = self.forget(key)
+        if namespace is not None and self.sharing is not None:
+            self.sharing.deleted(key, namespace)
+
+    def hit(self, key: ChunkKey, namespace: bytes) -> None:
+        """A chunk read from the tier: told to the journal (the others' recency)."""
+        if self.sharing is not None:
+            self.sharing.used(key, namespace)
+
+    def unlisted(self, reason: str) -> None:
+        """The listing at start failed: bypass the tier until a probe passes, then list it
+        again (a node-local tier by a rescan; a shared one relists on its own once it
+        falls behind its journal)."""
+        self.breaker.trip(reason)
+        self.rescan = self.sharing is None
+
+    def start_rescan(self) -> None:
+        self.rescan = False
+
+    def rescan_later(self) -> None:
+        """The rescan failed or was given up: try again once the tier is available."""
+        self.rescan = True
 
     def _size_of(self, key: Hashable) -> int:
         return self.sizes[key]  # type: ignore[index]

@@ -16,8 +16,8 @@ write into it). A read the pool gave up before it started frees the slot at once
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ from kvtier.keys import ChunkKey
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.iopool import Job
 from kvtier.store.leases import LeaseTable
+from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
 from kvtier.store.records import Entry, ItemState, LeaseItem, Where
 
@@ -42,7 +43,7 @@ log = logging.getLogger("kvtier.store")
 
 class Promotions:
     def __init__(self, index: ArenaIndex, leases: LeaseTable, metrics: StoreMetrics,
-                 cond: threading.Condition, clock: Callable[[], float],
+                 apply: Apply, clock: Callable[[], float],
                  keyring: Keyring | None = None) -> None:
         self.index = index
         self.keyring = keyring
@@ -51,7 +52,7 @@ class Promotions:
         """Tiers that served a chunk failing its MAC (logged once per tier)."""
         self.leases = leases
         self.metrics = metrics
-        self.cond = cond
+        self.apply = apply
         self.clock = clock
         self.in_flight = 0
         self.late: set[ChunkKey] = set()
@@ -60,7 +61,7 @@ class Promotions:
     def begin(self, entry: Entry, state: LowerTierState) -> LeaseItem:
         """Mark ``entry`` (a fresh PROMOTING slot) as read from ``state``; the read itself is
         started by :meth:`start` once the lease is recorded."""
-        entry.reading = state.name
+        self.index.promoting(entry, state.name)
         return LeaseItem(entry.key, entry.slot, state.name, ItemState.PENDING)
 
     def start(self, entry: Entry, state: LowerTierState) -> None:
@@ -112,10 +113,15 @@ class Promotions:
                         state.name, error)
         elif error:
             log.debug("read from %s failed: %s", state.name, error)
-        with self.cond:
-            if not job.late:
-                state.breaker.record(not error or corrupt, elapsed, error)
-            self._done(entry, state, header, corrupt, error, elapsed, too_large=too_large)
+        self.apply("promote", functools.partial(self._outcome, job, entry, state, header,
+                                                corrupt, error, elapsed, too_large))
+
+    def _outcome(self, job: Job, entry: Entry, state: LowerTierState,
+                 header: ChunkHeader | None, corrupt: bool, error: str, elapsed: float,
+                 too_large: bool) -> None:
+        if not job.late:
+            state.breaker.record(not error or corrupt, elapsed, error)
+        self._done(entry, state, header, corrupt, error, elapsed, too_large=too_large)
 
     def _unauthenticated(self, state: LowerTierState, exc: UnauthenticatedChunk) -> None:
         """Count a chunk that failed its MAC; say so once per tier (a peer without the
@@ -139,19 +145,15 @@ class Promotions:
               corrupt: bool, error: str, elapsed: float, *, too_large: bool = False) -> None:
         self.in_flight -= 1
         self.late.discard(entry.key)
-        entry.reading = None
         waiting = self.leases.waiters(entry.key)
         if header is not None:
-            entry.namespace_fp, entry.tokens = header.namespace_fp, header.tokens
-            entry.payload_len, entry.sealed = header.payload_len, True
-            self.index.publish(entry)  # already in the eviction order since its lease
+            self.index.promoted(entry, header.namespace_fp, header.tokens, header.payload_len)
             for item in waiting:
                 self.index.pin(entry)
                 item.state = ItemState.READY
             nbytes = stored_size(header.payload_len)
             state.reads.observe(elapsed, nbytes, self.clock())
-            if state.sharing is not None:
-                state.sharing.used(entry.key, header.namespace_fp)
+            state.hit(entry.key, header.namespace_fp)
             self.metrics.bytes.labels(state.name, "read").inc(nbytes)
             self.metrics.io_seconds.labels(state.name, "read").observe(elapsed)
         else:
@@ -162,13 +164,10 @@ class Promotions:
             elif error and not corrupt:
                 self.metrics.io_errors.labels(state.name, "read").inc()
             else:  # missing, or corrupt and quarantined: the tier no longer holds it
-                namespace = state.forget(entry.key)
-                if namespace is not None and state.sharing is not None:
-                    state.sharing.deleted(entry.key, namespace)
+                state.lost(entry.key)
             for item in waiting:
                 item.state = ItemState.FAILED
             self.index.drop(entry)
-        self.cond.notify_all()
 
     def _late(self, entry: Entry, state: LowerTierState) -> None:
         """The read runs past the timeout: its waiters stop waiting (recompute)."""
@@ -177,7 +176,6 @@ class Promotions:
         self.metrics.io_timeouts.labels(state.name, "read").inc()
         for item in self.leases.waiters(entry.key):
             item.state = ItemState.FAILED
-        self.cond.notify_all()
 
     def _abandoned(self, entry: Entry, state: LowerTierState) -> None:
         """The pool gave the read up before it started: nothing touches the slot."""

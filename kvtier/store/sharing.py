@@ -29,6 +29,7 @@ the lock for long; what fails is dropped and counted (``kvtier_untrusted_total``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -40,17 +41,17 @@ from collections.abc import Callable, Hashable
 
 import msgspec
 
-from kvtier import __version__
 from kvtier.auth import Keyring
 from kvtier.errors import NoteTooLarge, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
-from kvtier.store.housekeeping import Locked
 from kvtier.store.iopool import IOPool, Job
+from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
 from kvtier.store.sweeper import HEARTBEAT_S, SERVERS, sweep, sweeper_of
 from kvtier.tiers.base import StoredChunk
 from kvtier.tiers.shared import SharedTier
+from kvtier.version import __version__
 
 log = logging.getLogger("kvtier.store")
 MAX_OUTBOX = 100_000
@@ -68,7 +69,7 @@ Untrusted = Callable[[str, str, int], None]
 
 
 class Sharing:
-    def __init__(self, state: LowerTierState, server: str, locked: Locked,
+    def __init__(self, state: LowerTierState, server: str, apply: Apply,
                  reading: Callable[[LowerTierState, Hashable], bool],
                  on_sweep: Callable[[str, int, int], None] = lambda _t, _n, _b: None,
                  keyring: Keyring | None = None,
@@ -83,7 +84,8 @@ class Sharing:
         self.tier: SharedTier = state.tier
         self.opts = state.tier.sharing
         self.server = server
-        self.locked = locked
+        self.apply = apply
+        """The store's gate for every change of its books (:mod:`kvtier.store.locking`)."""
         self.reading = reading
         self.on_sweep = on_sweep
         self.outbox: list[journal.Record] = []
@@ -159,19 +161,19 @@ class Sharing:
             del self.outbox[: len(self.outbox) - MAX_OUTBOX]
             self.dropped += 1
 
-    def apply(self, records: list[journal.Record]) -> None:
+    def apply_records(self, records: list[journal.Record]) -> None:
         """Another server's records, already validated (lock held; at most APPLY_BATCH)."""
         state = self.state
         for r in records:
             if r.op == "+":
                 if r.key in state:
-                    state.policy.touch(r.key)
+                    state.touch(r.key)
                 elif r.key not in state.deleting:
                     state.index(r.key, r.size, 35, r.namespace)
             elif r.op == "-":
                 state.forget(r.key)
             else:
-                state.policy.touch(r.key)
+                state.touch(r.key)
 
     # ------------------------------------------------------------------ the clock
 
@@ -244,8 +246,8 @@ class Sharing:
             finally:
                 self._free(kind, token)
             if kind not in ("sweep", "touch"):  # touches are counted one by one
-                with self.locked("sharing"):
-                    self.state.breaker.record(not error, time.perf_counter() - start, error)
+                self.apply("sharing", functools.partial(
+                    self.state.breaker.record, not error, time.perf_counter() - start, error))
         return run
 
     def _reject(self, what: str, count: int, why: str) -> None:
@@ -260,17 +262,23 @@ class Sharing:
     # ------------------------------------------------------------------ jobs (I/O threads)
 
     def _publish(self) -> None:
-        with self.locked("sharing"):
-            records, self.outbox = self.outbox[:4096], self.outbox[4096:]
+        records = self.apply("sharing", self._take_outbox)
         if not records:
             return
         name = journal.note_name(int(time.time() * 1000), self.server, next(self._seq))
         try:
             self.tier.put_note(name, self._sign(name, journal.encode(records)))
-        except TierError:
-            with self.locked("sharing"):
-                self.outbox[:0] = records  # tried again next time (the tier may be back)
+        except TierError:  # tried again next time (the tier may be back)
+            self.apply("sharing", functools.partial(self._put_back, records))
             raise
+
+    def _take_outbox(self) -> list[journal.Record]:
+        n = journal.MAX_RECORDS  # one note's worth
+        records, self.outbox = self.outbox[:n], self.outbox[n:]
+        return records
+
+    def _put_back(self, records: list[journal.Record]) -> None:
+        self.outbox[:0] = records
 
     def _publish_now(self) -> None:
         try:
@@ -307,8 +315,8 @@ class Sharing:
         if server != self.server:
             records = self._fetch(name)
             for at in range(0, len(records), APPLY_BATCH):
-                with self.locked("journal"):
-                    self.apply(records[at:at + APPLY_BATCH])
+                self.apply("journal", functools.partial(self.apply_records,
+                                                        records[at:at + APPLY_BATCH]))
         self._seen[name] = ms
         self._advance(ms, now_ms)
 
@@ -351,17 +359,11 @@ class Sharing:
         state = self.state
         found = sorted(state.plausible_only(self.tier.scan()), key=lambda c: c.mtime)
         listed = {c.key for c in found}
-        with self.locked("journal"):
-            gone = [k for k in state.sizes if k not in listed]
+        gone = self.apply("journal", lambda: [k for k in state.sizes if k not in listed])
         for at in range(0, len(gone), APPLY_BATCH):
-            with self.locked("journal"):
-                for key in gone[at:at + APPLY_BATCH]:
-                    state.forget(key)
+            self.apply("journal", functools.partial(_forget, state, gone[at:at + APPLY_BATCH]))
         for at in range(0, len(found), APPLY_BATCH):
-            with self.locked("journal"):
-                for chunk in found[at:at + APPLY_BATCH]:
-                    if chunk.key not in state and chunk.key not in state.deleting:
-                        state.index(chunk.key, chunk.size, 35, chunk.namespace)
+            self.apply("journal", functools.partial(_index, state, found[at:at + APPLY_BATCH]))
         self._cursor_ms = now_ms
         log.info("tier %s: books rebuilt from a listing (%d chunks)", state.name, len(found))
 
@@ -375,20 +377,26 @@ class Sharing:
         """Refresh a batch of hits' recency in the backend, each touch one operation for the
         breaker (a long batch is not one slow operation). The first failure drops the rest
         of the batch: touches are best effort."""
-        with self.locked("sharing"):
-            count = min(TOUCH_BATCH, len(self._to_touch))
-            batch = [self._to_touch.popleft() for _ in range(count)]
+        batch = self.apply("sharing", self._touch_batch)
         for done, (key, namespace) in enumerate(batch):
             start = time.perf_counter()
             try:
                 self.tier.touch(key, namespace=namespace)
             except TierError as exc:
-                with self.locked("sharing"):
-                    self.state.breaker.record(False, time.perf_counter() - start, str(exc))
-                    self.touches_dropped += len(batch) - done
+                self.apply("sharing", functools.partial(
+                    self._touch_failed, time.perf_counter() - start, str(exc),
+                    len(batch) - done))
                 raise
-            with self.locked("sharing"):
-                self.state.breaker.record(True, time.perf_counter() - start)
+            self.apply("sharing", functools.partial(self.state.breaker.record, True,
+                                                    time.perf_counter() - start))
+
+    def _touch_batch(self) -> list[tuple[ChunkKey, bytes]]:
+        count = min(TOUCH_BATCH, len(self._to_touch))
+        return [self._to_touch.popleft() for _ in range(count)]
+
+    def _touch_failed(self, elapsed: float, error: str, dropped: int) -> None:
+        self.state.breaker.record(False, elapsed, error)
+        self.touches_dropped += dropped
 
     def _sweep(self) -> None:
         now = time.time()
@@ -404,7 +412,21 @@ class Sharing:
         self.on_sweep(self.state.name, len(report.deleted), report.deleted_bytes)
 
     def _swept(self, chunks: list[StoredChunk]) -> None:
-        with self.locked("journal"):
-            for chunk in chunks:
-                self.state.forget(chunk.key)
-                self.deleted(chunk.key, chunk.namespace)
+        self.apply("journal", functools.partial(self._forget_swept, chunks))
+
+    def _forget_swept(self, chunks: list[StoredChunk]) -> None:
+        for chunk in chunks:
+            self.state.forget(chunk.key)
+            self.deleted(chunk.key, chunk.namespace)
+
+
+def _forget(state: LowerTierState, keys: list[ChunkKey]) -> None:
+    for key in keys:
+        state.forget(key)
+
+
+def _index(state: LowerTierState, chunks: list[StoredChunk]) -> None:
+    """Chunks a listing found that the books lack (a delete queued here keeps them out)."""
+    for chunk in chunks:
+        if chunk.key not in state and chunk.key not in state.deleting:
+            state.index(chunk.key, chunk.size, 35, chunk.namespace)

@@ -8,53 +8,76 @@
   (before its own write, so the space is really free by then).
 
 Each (chunk, tier) write is one job on that tier's I/O pool. The slot stays put while any
-job reads it (``entry.writing``). The outcome is applied under the store's lock in
-:meth:`Writes._done`; a job the pool gives up (queued past ``io_timeout_s``) is undone in
-:meth:`Writes._abandoned`, so no entry is ever left "writing" forever.
+job reads it (``entry.writing``). The job's outcome is applied by the store
+(:mod:`kvtier.store.locking`) in :meth:`Writes._done`; a job the pool gives up (queued past
+``io_timeout_s``) is undone in :meth:`Writes._abandoned`, so no entry is ever left "writing"
+forever. Eviction from the arena is a write-back or a drop, so the arena's room is made here
+too (:meth:`Writes.take`, :meth:`Writes.free_ahead`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 from kvtier.auth import Keyring
-from kvtier.codec import seal, stored_size
+from kvtier.codec import stored_size
 from kvtier.errors import TierError, TierFull
 from kvtier.keys import ChunkKey
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.iopool import Job
+from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
-from kvtier.store.records import Entry
+from kvtier.store.records import Entry, Where
 
 if TYPE_CHECKING:
     from kvtier.metrics import StoreMetrics
 
 log = logging.getLogger("kvtier.store")
-_SEAL_LOCKS = [threading.Lock() for _ in range(64)]
 DELETE_TRIES = 3
 """Tries of one delete (an evicted chunk's) before it is left for the tier's next listing."""
 
 
 class Writes:
     def __init__(self, index: ArenaIndex, tiers: list[LowerTierState], metrics: StoreMetrics,
-                 cond: threading.Condition, reading: Callable[[LowerTierState, Hashable], bool],
+                 apply: Apply, reading: Callable[[LowerTierState, Hashable], bool],
                  keyring: Keyring | None = None) -> None:
         self.index = index
         self.keyring = keyring if any(s.tier.shared for s in tiers) else None
         """Signs every chunk sealed here when a shared tier may receive it."""
         self.tiers = tiers
         self.metrics = metrics
-        self.cond = cond
+        self.apply = apply
         self.reading = reading
         """Whether a promotion reads ``key`` from a tier now (it must not be deleted)."""
         self.in_flight = 0
         self.demoting = 0
         self._arena_evictions = metrics.evictions.labels("arena", "capacity")  # once per chunk
+
+    # ------------------------------------------------------------------ room in the arena
+
+    def take(self, key: ChunkKey, where: Where, priority: int) -> Entry | None:
+        """A slot for ``key``, evicting from the arena as needed; ``None``: no room now."""
+        entry = self.index.take(key, where, priority)
+        while entry is None:
+            victim = self.index.victim()
+            if victim is None:
+                return None
+            if not self.evict(victim):
+                return None  # written back first: one victim per slot, not the whole arena
+            entry = self.index.take(key, where, priority)
+        return entry
+
+    def free_ahead(self, target: int) -> None:
+        """Keep ``target`` slots free or on their way to free (write-back ahead)."""
+        while self.index.free_slots + self.demoting < target:
+            victim = self.index.victim()
+            if victim is None:
+                return
+            self.evict(victim)
 
     # ------------------------------------------------------------------ deciding
 
@@ -62,7 +85,7 @@ class Writes:
         """Copy a READY chunk to the write-through tiers that want it."""
         targets = [s for s in self.tiers if not s.write_back and self.wants(s, entry)]
         if targets:
-            entry.rescued = entry.rescued or entry.demoting
+            self.index.rescue(entry)
             self.submit(entry, targets)
 
     def back_all(self) -> None:
@@ -80,7 +103,7 @@ class Writes:
         self._arena_evictions.inc()
         targets = [s for s in self.tiers if s.write_back and self.wants(s, entry)]
         if targets:
-            entry.demoting = True
+            self.index.start_demotion(entry)
             self.demoting += 1
             self.submit(entry, targets)
             if entry.demoting:  # some write is under way
@@ -110,8 +133,8 @@ class Writes:
                 continue
             for key, _namespace in victims:
                 self.metrics.evictions.labels(state.name, "capacity").inc()
-                state.deleting.add(key)
-            entry.writing.add(state.name)
+                state.mark_deleting(key)
+            self.index.start_write(entry, state.name)
             self.in_flight += 1
             state.pool.submit(functools.partial(self._job, entry=entry, state=state,
                                                 doomed=victims, size=size),
@@ -133,7 +156,7 @@ class Writes:
         full = False
         start = time.perf_counter()
         try:
-            if self._seal(entry, view):
+            if self.index.seal(entry, view, self.keyring):
                 written = state.tier.write(entry.key, view[:size])
             else:
                 error = "cannot seal the chunk"
@@ -148,25 +171,15 @@ class Writes:
             view.release()
         elapsed = time.perf_counter() - start
         space = state.tier.space() if full else None
-        with self.cond:
+
+        def outcome() -> None:
             if not job.late:
                 state.breaker.record(written is not None or full, elapsed, error)
             if full:
                 state.learn_space(space, full=True)
             self._done(entry, state, size, written, elapsed, error)
 
-    def _seal(self, entry: Entry, view: memoryview) -> bool:
-        with _SEAL_LOCKS[entry.slot % len(_SEAL_LOCKS)]:
-            if entry.sealed:
-                return True
-            try:
-                seal(view, entry.namespace_fp, entry.key, entry.tokens, entry.payload_len,
-                     entry.priority, self.keyring)
-            except Exception:  # a bad field must fail this write, not strand the entry
-                log.exception("cannot seal chunk %s", entry.key.hex()[:16])
-                return False
-            entry.sealed = True
-            return True
+        self.apply("write", outcome)
 
     def delete_now(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
                    tries: int = 1) -> None:
@@ -180,31 +193,33 @@ class Writes:
             log.warning("delete from %s failed: %s", state.name, exc)
             self.metrics.io_errors.labels(state.name, "delete").inc()
         finally:
-            with self.cond:
-                state.deleting.discard(key)
-                if gone and state.sharing is not None:
-                    state.sharing.deleted(key, namespace)
-                elif not gone:
-                    self._retry_delete(state, key, namespace, tries)
-                self.cond.notify_all()
+            self.apply("delete", functools.partial(self._delete_done, state, key, namespace,
+                                                   tries, gone))
+
+    def _delete_done(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
+                     tries: int, gone: bool) -> None:
+        if gone:
+            state.deleted(key, namespace)
+        else:
+            state.clear_deleting(key)
+            self._retry_delete(state, key, namespace, tries)
 
     def delete_later(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
                      tries: int = 1) -> None:
         """Queue a delete of a chunk already gone from the tier's books (lock held)."""
-        state.deleting.add(key)
+        state.mark_deleting(key)
         try:
             state.pool.submit(lambda _job: self.delete_now(state, key, namespace, tries),
                               on_abandon=lambda: self._delete_abandoned(state, key, namespace,
                                                                         tries))
         except RuntimeError:  # closing: left for the next start's listing
-            state.deleting.discard(key)
+            state.clear_deleting(key)
 
     def _delete_abandoned(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
                           tries: int) -> None:
-        state.deleting.discard(key)
+        state.clear_deleting(key)
         self.metrics.io_timeouts.labels(state.name, "delete").inc()
         self._retry_delete(state, key, namespace, tries)
-        self.cond.notify_all()
 
     def _retry_delete(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
                       tries: int) -> None:
@@ -221,21 +236,18 @@ class Writes:
 
     def _done(self, entry: Entry, state: LowerTierState, promised: int, written: int | None,
               elapsed: float, error: str) -> None:
-        entry.writing.discard(state.name)
+        self.index.end_write(entry, state.name)
         self.in_flight -= 1
         if written is None:
-            state.reserved -= promised
+            state.release(promised)
             if error:
                 self.metrics.io_errors.labels(state.name, "write").inc()
         else:
-            state.added(entry.key, written, promised, entry.priority, entry.namespace_fp)
-            if state.sharing is not None:
-                state.sharing.wrote(entry.key, entry.namespace_fp, written)
+            state.stored(entry.key, written, promised, entry.priority, entry.namespace_fp)
             self.metrics.bytes.labels(state.name, "write").inc(written)
             self.metrics.io_seconds.labels(state.name, "write").observe(elapsed)
         if entry.demoting and not entry.writing:
             self._demoted(entry)
-        self.cond.notify_all()
 
     def _late(self, state: LowerTierState) -> None:
         """The write runs past the timeout: a failure for the breaker (its own ending, if
@@ -247,7 +259,7 @@ class Writes:
                    doomed: list[tuple[ChunkKey, bytes]], size: int) -> None:
         """The pool gave the job up before it ran (the tier hangs)."""
         for key, namespace in doomed:  # never deleted: queued again (bounded tries)
-            state.deleting.discard(key)
+            state.clear_deleting(key)
             self._retry_delete(state, key, namespace, 1)
         state.breaker.record(False, state.config.io_timeout_s, "write timed out in the queue")
         self.metrics.io_timeouts.labels(state.name, "write").inc()
@@ -255,9 +267,4 @@ class Writes:
 
     def _demoted(self, entry: Entry) -> None:
         self.demoting -= 1
-        entry.demoting = False
-        if self.index.arena.leases[entry.slot] or entry.rescued:
-            entry.rescued = False
-            self.index.join_order(entry)  # hot again while it was written
-        else:
-            self.index.drop(entry)
+        self.index.end_demotion(entry)
