@@ -241,6 +241,8 @@ class Router:
         tried: list[int] = []
         while True:
             candidates = self.pool.candidates(req.model, tried)
+            if not candidates and not tried and await self._backend_back(req.model, received):
+                continue
             if not candidates:
                 self.metrics.refused.labels("no_backend").inc()
                 if tried:
@@ -264,6 +266,22 @@ class Router:
                             backend.name, exc)
                 if exc.down:
                     self.pool.set_health(backend, False, self.scrub(str(exc)))
+
+    async def _backend_back(self, model: str | None, received: float) -> bool:
+        """Whether a backend came back within ``no_backend_wait_s`` of the request's arrival
+        (the ones that are out are checked at once, then every 0.25 s)."""
+        if self.config.no_backend_wait_s <= 0:
+            return False
+        deadline = received + self.config.no_backend_wait_s
+        while self._health is not None and not self.draining:
+            await self._health.recheck_out()
+            if self.pool.candidates(model):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(0.25, left))
+        return False
 
     async def _attempt(self, req: RoutedRequest, decision: Decision, request: web.Request,
                        received: float) -> web.StreamResponse:

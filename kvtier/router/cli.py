@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are refused with 413 (default 8 MiB)")
     p.add_argument("--health-interval-s", type=float, default=2.0)
+    p.add_argument("--no-backend-wait-s", type=float, default=5.0,
+                   help="how long a request that finds no backend up waits for one, checking "
+                        "those that are out at once (0: answer 503 at once)")
     p.add_argument("--session-header", default="X-Session-Id",
                    help="the session strategy's key (else the body's 'user')")
     p.add_argument("--drain-s", type=float, default=30.0,

@@ -46,6 +46,10 @@ class RouterConfig:
     api_key: str | None = None
     backend_api_key: str | None = None
     health_interval_s: float = 2.0
+    no_backend_wait_s: float = 5.0
+    """A request that finds no backend up waits this long (checking the backends that are
+    out at once, then every 0.25 s) for one to come back before it is answered 503: an
+    instance that just restarted is let in without waiting for the next health round."""
     session_header: str = "X-Session-Id"
     drain_s: float = 30.0
     prefix_chunks: int = 2
@@ -103,6 +107,7 @@ class RouterConfig:
             backend_api_key=read_key(args.backend_api_key_env, args.backend_api_key_file,
                                      "--backend-api-key"),
             health_interval_s=_positive(args.health_interval_s, "--health-interval-s"),
+            no_backend_wait_s=_non_negative(args.no_backend_wait_s, "--no-backend-wait-s"),
             session_header=args.session_header, drain_s=_non_negative(args.drain_s, "--drain-s"),
             prefix_chunks=int(_positive(args.prefix_chunks, "--prefix-chunks")),
             request_timeout_s=_positive(args.request_timeout_s, "--request-timeout-s"),

@@ -36,16 +36,32 @@ class HealthMonitor:
         self.node_headers = node_headers or {}
         self.renderers = renderers
         self._task: asyncio.Task[None] | None = None
+        self._recheck: asyncio.Task[None] | None = None
+
+    async def recheck_out(self) -> None:
+        """Check the backends that are out now, once for all callers at the same time (a
+        burst of requests finding none up makes one round, not one each)."""
+        if self._recheck is None or self._recheck.done():
+            out = [b for b in self.pool if not b.healthy]
+            self._recheck = asyncio.create_task(self._check_some(out))
+        await asyncio.shield(self._recheck)
+
+    async def _check_some(self, backends: list[Backend]) -> None:
+        try:
+            await asyncio.gather(*(self.check(b) for b in backends))
+        except Exception:  # a failed recheck leaves them out; the next round tries again
+            log.exception("recheck of the backends that are out failed")
 
     async def start(self) -> None:
         await self.check_all()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._recheck):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _loop(self) -> None:
         while True:

@@ -118,3 +118,41 @@ def test_traffic_continues_when_a_backend_is_killed_mid_test() -> None:
                 assert later == [], "no failed request after the first error"
             assert not router.pool.backends[0].healthy
     asyncio.run(main())
+
+
+def test_a_request_finding_no_backend_up_waits_for_one_that_comes_back() -> None:
+    """An instance the stack just restarted answers its /health before the router's next
+    round: a request that finds every backend out checks them at once and waits (bounded)
+    instead of failing with 503."""
+    async def main() -> None:
+        async with stubs(1) as backends, running_router(
+                router_config(backends, health_interval_s=60, no_backend_wait_s=5)
+                ) as router, aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            await backends[0].stop()
+            status, _, _ = await post(s, url, completion())  # finds it dead: 502, out
+            assert status == 502 and not router.pool.backends[0].healthy
+            started = time.monotonic()
+            status, _, _ = await post(s, url, completion())
+            waited = time.monotonic() - started
+            assert status == 503 and 4.5 <= waited < 30, f"answered after {waited:.1f} s"
+            await backends[0].start()  # back on the same port; no round for 60 s
+            status, doc, headers = await post(s, url, completion())
+            assert status == 200 and headers["X-Kvtier-Backend"] == backends[0].url, doc
+            assert router.pool.backends[0].healthy
+    asyncio.run(main())
+
+
+def test_without_a_wait_a_request_finding_no_backend_up_is_answered_at_once() -> None:
+    async def main() -> None:
+        async with stubs(1) as backends, running_router(
+                router_config(backends, health_interval_s=60, no_backend_wait_s=0)
+                ) as router, aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            await backends[0].stop()
+            await post(s, url, completion())
+            await backends[0].start()  # back, but nobody checks before the next round
+            started = time.monotonic()
+            status, _, _ = await post(s, url, completion())
+            assert status == 503 and time.monotonic() - started < 2
+    asyncio.run(main())
