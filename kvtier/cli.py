@@ -19,7 +19,7 @@ from kvtier.errors import KvtierError
 from kvtier.version import __version__
 
 _PLUGINS = {
-    "serve": "kvtier.vllm.serve",
+    "serve": "kvtier.launch.serve",
     "trace": "kvtier.trace.cli",
     "plan": "kvtier.plan.cli",
     "admin": "kvtier.admin",
@@ -35,6 +35,7 @@ _BENCH_PLUGINS = {
     "sweep": "kvtier.bench.sweep",
     "shared": "kvtier.bench.shared",
     "route": "kvtier.bench.route",
+    "peers": "kvtier.bench.peers",
 }
 
 

@@ -14,12 +14,12 @@ import yaml
 from kvtier.cli import main
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError
+from kvtier.launch.sizing import estimate_payload_len
 from kvtier.plan import CPU_OFFLOAD_NOTE, DeviceInputs, DiskInputs, HostInputs, make_plan
 from kvtier.plan.budget import device_budget, host_budget, payload_bytes
 from kvtier.plan.model import read_model
 from kvtier.trace.formats import Trace
 from kvtier.trace.generate import GenConfig, generate
-from kvtier.vllm.sizing import estimate_payload_len
 
 GiB = 1 << 30
 LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,

@@ -19,12 +19,16 @@ vLLM's router (PyPI ``vllm-router``, a Rust binary in a wheel; it needs no GPU) 
     python -m venv ~/.cache/kvtier/peers/vllm-router-venv
     .../bin/pip install vllm-router==0.1.17
 
-``kvtier serve --instances N --router vllm-router`` puts it in front of the instances; the
-routing benchmark uses it as the peer.
+``kvtier serve --instances N --router vllm-router`` puts it in front of the instances but
+never installs it; it finds the one installed here (:mod:`kvtier.launch.vllm_router`). The
+benchmarks that need a peer install it; by hand::
+
+    kvtier bench peers --install vllm-router     # or lmcache; prints the executable's path
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import subprocess
@@ -33,6 +37,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kvtier.errors import BackendUnavailableError
+from kvtier.launch.vllm_router import vllm_router_binary, vllm_router_venv
 
 log = logging.getLogger("kvtier.bench.peers")
 LMCACHE_VERSION = "0.5.6"
@@ -42,9 +47,8 @@ INSTALL_TIMEOUT_S = 1800
 
 
 def peers_dir() -> Path:
-    from kvtier.demo.model import default_cache_dir
-
-    return default_cache_dir() / "peers"
+    """Where the peers' virtualenvs live (the one vllm-router's is in, too)."""
+    return vllm_router_venv().parent
 
 
 def engine_pins() -> list[str]:
@@ -83,13 +87,10 @@ def ensure_lmcache(venv: Path | None = None, log_file: Path | None = None) -> Pa
     return lmcache_python(venv)
 
 
-def vllm_router_binary(venv: Path | None = None) -> Path:
-    return (venv or peers_dir() / "vllm-router-venv") / "bin" / "vllm-router"
-
-
 def ensure_vllm_router(venv: Path | None = None, log_file: Path | None = None) -> Path:
-    """The ``vllm-router`` executable of its own venv, installing it first if needed."""
-    venv = venv or peers_dir() / "vllm-router-venv"
+    """The ``vllm-router`` executable of its own venv, installing it first if needed (the
+    venv ``kvtier serve --router vllm-router`` looks in: :func:`vllm_router_venv`)."""
+    venv = venv or vllm_router_venv()
     commands = [[sys.executable, "-m", "venv", str(venv)],
                 [str(venv / "bin" / "pip"), "install", "-q",
                  f"vllm-router=={VLLM_ROUTER_VERSION}"]]
@@ -122,3 +123,22 @@ def _ensure_venv(venv: Path, wanted: dict[str, object], commands: list[list[str]
         if log_file:
             out.close()  # type: ignore[union-attr]
     marker.write_text(json.dumps(wanted))
+
+
+INSTALLERS = {"vllm-router": ensure_vllm_router, "lmcache": ensure_lmcache}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("peers", help="install a peer (vllm-router, LMCache) into its own "
+                       "virtualenv under the cache directory")
+    p.add_argument("--install", required=True, choices=sorted(INSTALLERS),
+                   help="the peer to install (once; reused while its version matches)")
+    p.add_argument("--log-file", help="pip's output (default: discarded)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Install the peer and print its executable (python for LMCache)."""
+    log_file = Path(args.log_file) if args.log_file else None
+    print(INSTALLERS[args.install](log_file=log_file))
+    return 0

@@ -300,8 +300,14 @@ def _two_instances(router: str, policy: str) -> Callable[[StackEnv], Stack]:
     def start(env: StackEnv) -> Stack:
         # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102
         port = ports.free_base((0, 1, 2, 101, 102))
+        extra: list[str] = []
+        if router == "vllm-router":  # the benchmark installs its peer; kvtier serve never does
+            from kvtier.bench.peers import ensure_vllm_router
+
+            installed = ensure_vllm_router(log_file=env.workdir.parent / "vllm-router-install.log")
+            extra = ["--vllm-router", str(installed)]
         argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
-                "--port", str(port), "--router", router, "--router-policy", policy,
+                "--port", str(port), "--router", router, "--router-policy", policy, *extra,
                 "--shared", str(env.workdir / "shared"), "--shared-size", str(env.disk_bytes),
                 "--arena-size", str(env.arena_bytes), "--run-dir", str(env.workdir / "stack"),
                 "--served-model-name", env.served_name, "--chunk-tokens",

@@ -108,8 +108,8 @@ class _Bench:
     # ------------------------------------------------------------------ setup
 
     def _server_config(self) -> Any:
+        from kvtier.launch.sizing import estimate_payload_len
         from kvtier.vllm.config import ConnectorConfig
-        from kvtier.vllm.sizing import estimate_payload_len
 
         payload = estimate_payload_len(self.model, ["--dtype", self.args.dtype], 256)
         if payload is None:

@@ -169,7 +169,7 @@ def host_budget(h: HostInputs, tp: int, cpu_offload_gb: float, payload_bytes: in
 def payload_bytes(model: ModelShape, tp: int, chunk_tokens: int, kv_dtype: str | None = None
                   ) -> int:
     """One chunk's K and V over every rank, as the connector stores it (a rank that holds a
-    replicated KV head stores its copy too): kvtier.vllm.sizing's estimate."""
+    replicated KV head stores its copy too): kvtier.launch.sizing's estimate."""
     heads = max(model.kv_heads, tp)
     return (model.layers * 2 * heads * model.head_dim * chunk_tokens
             * dtype_bytes(kv_dtype or model.dtype))

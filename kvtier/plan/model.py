@@ -82,7 +82,7 @@ def read_model(path: str | Path, dtype: str | None = None) -> ModelShape:
         config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype")
         or text.get("dtype") or "bfloat16")
     if (not dtype or dtype == "auto") and name.removeprefix("torch.") in ("float32", "float"):
-        name = "bfloat16"  # vLLM's auto dtype runs float32 models in 16 bits (vllm/sizing.py)
+        name = "bfloat16"  # vLLM's auto dtype runs float32 models in 16 bits (launch/sizing.py)
     dtype_bytes(name)  # an unknown dtype is an error here, naming it
     shape = {
         "layers": _int(text, "num_hidden_layers"),

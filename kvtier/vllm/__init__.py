@@ -1,8 +1,8 @@
-"""kvtier for vLLM: the KV connector, the ``kvtier serve`` command.
+"""kvtier for vLLM: the KV connector and its copy path (``kvtier serve`` is :mod:`kvtier.launch`).
 
 The only package of kvtier that imports vLLM and torch, and only when the connector is used:
-``KvtierConnector`` is resolved lazily, so ``kvtier serve --help`` or reading the connector's
-config stays light. vLLM loads it with ``kv_connector_module_path="kvtier.vllm"``.
+``KvtierConnector`` is resolved lazily, so reading the connector's config (as ``kvtier serve``
+does) stays light. vLLM loads it with ``kv_connector_module_path="kvtier.vllm"``.
 """
 
 from __future__ import annotations

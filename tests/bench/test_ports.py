@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.launch.stack_options import StackOptions
 from kvtier.ports import (
     MAX_PORT,
     check_plan,
@@ -25,7 +26,6 @@ from kvtier.ports import (
 from kvtier.ports import (
     listening as a_server_listens,
 )
-from kvtier.vllm.stack_options import StackOptions
 
 GiB = 1 << 30
 
@@ -39,7 +39,7 @@ def listening(port: int = 0) -> Iterator[int]:
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    from kvtier.vllm.serve import register
+    from kvtier.launch.serve import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -88,7 +88,7 @@ def test_a_port_whose_node_servers_pass_65535_is_refused(tmp_path: Path) -> None
 
 def test_the_stack_refuses_to_start_when_a_derived_port_is_taken(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvtier.vllm.stack import Stack
+    from kvtier.launch.stack import Stack
 
     base = free_base((0, 1, 2, 101, 102))
     with listening(base + 102):  # instance 1's node server's port

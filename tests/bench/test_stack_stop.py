@@ -90,7 +90,7 @@ def test_kvtier_serve_stops_what_vllm_left_when_it_died_before_ready(tmp_path: P
     import signal
     from types import SimpleNamespace
 
-    from kvtier.vllm import serve_one
+    from kvtier.launch import serve_one
 
     plan = SimpleNamespace(cmd=_orphaning(tmp_path), log_file=None, model="m",
                            base_url=f"http://127.0.0.1:{free_port()}")

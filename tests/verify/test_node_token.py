@@ -16,11 +16,11 @@ from kvtier.cli import main
 from kvtier.client import KvtierClient
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError
+from kvtier.launch.front import router_argv
+from kvtier.launch.stack import Stack
+from kvtier.launch.stack_options import StackOptions
 from kvtier.verify.cli import node_token
 from kvtier.verify.run import Verification, VerifyOptions
-from kvtier.vllm.front import router_argv
-from kvtier.vllm.stack import Stack
-from kvtier.vllm.stack_options import StackOptions
 
 from .test_verify_units import _KeyCheckingEntry
 
@@ -112,7 +112,7 @@ def test_where_verify_finds_the_node_token(token: str, token_file: tuple[Path, s
 # ---------------------------------------------------------------------- kvtier serve
 
 def _parse(*argv: str) -> argparse.Namespace:
-    from kvtier.vllm.serve import register
+    from kvtier.launch.serve import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -168,7 +168,7 @@ def test_a_bad_token_file_fails_before_anything_starts(tmp_path: Path) -> None:
 
 def test_one_serve_hands_the_token_file_to_its_node_server(
         token_file: tuple[Path, str], tmp_path: Path) -> None:
-    from kvtier.vllm.serve import build_plan
+    from kvtier.launch.serve import build_plan
 
     path, value = token_file
     plan = build_plan(_parse("--model", str(tmp_path), "--node-token-file", str(path)))

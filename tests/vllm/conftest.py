@@ -49,6 +49,16 @@ def cluster_secret() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def vllm_router(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """vllm-router for the stacks behind it, installed here as the benchmarks install their
+    peers (``kvtier serve`` never installs it); given to them with ``--vllm-router``."""
+    from kvtier.bench.peers import ensure_vllm_router
+
+    log = tmp_path_factory.mktemp("vllm-router") / "install.log"
+    return str(ensure_vllm_router(log_file=log))
+
+
+@pytest.fixture(scope="session")
 def demo_model() -> str:
     from kvtier.demo import ensure_demo_model
 

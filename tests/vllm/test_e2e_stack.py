@@ -23,16 +23,18 @@ import pytest
 from stack_helpers import RunningStack, start_stack
 
 from kvtier.httpjson import get_json, get_text, post_json
-from kvtier.vllm.children import group_members
-from kvtier.vllm.summary import size
+from kvtier.launch.children import group_members
+from kvtier.launch.summary import size
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: str) -> Iterator[RunningStack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: str, vllm_router: str
+          ) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("stack")
-    running = start_stack(root, "--router", "vllm-router", "--shared", str(root / "shared"))
+    running = start_stack(root, "--router", "vllm-router", "--vllm-router", vllm_router,
+                          "--shared", str(root / "shared"))
     try:
         running.wait_up()
         yield running

@@ -27,9 +27,11 @@ SERVICE_BACK_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: str) -> Iterator[RunningStack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: str, vllm_router: str
+          ) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("supervise-vllm-router")
-    running = start_stack(root, "--router", "vllm-router", "--shared-local", "redis")
+    running = start_stack(root, "--router", "vllm-router", "--vllm-router", vllm_router,
+                          "--shared-local", "redis")
     try:
         running.wait_up()
         yield running

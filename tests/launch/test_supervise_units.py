@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_stack_units import options
+from launch_helpers import options
 
 from kvtier.errors import ConfigError
 from kvtier.groups import group_members
+from kvtier.launch.parts import ProcessPart
+from kvtier.launch.supervise import PartState, RestartPolicy, Supervised, Supervisor
 from kvtier.processes import alive
-from kvtier.vllm.parts import ProcessPart
-from kvtier.vllm.supervise import PartState, RestartPolicy, Supervised, Supervisor
 
 FAST = RestartPolicy(limit=2, window_s=60, backoff_s=0.1, backoff_max_s=0.4,
                      probe_every_s=0.2, unanswered=2, start_timeout_s=30)
@@ -184,10 +184,10 @@ def _zombie(pid: int) -> bool:
 
 
 def test_the_router_argv_reads_the_parts_file(tmp_path: Path) -> None:
-    from kvtier.vllm.front import router_argv
+    from kvtier.launch.front import router_argv
 
     argv = router_argv("kvtier", "cache", "127.0.0.1", 8000, ["http://a"], ["http://n"],
-                       tmp_path / "x.log", parts_file=tmp_path / "stack.json")
+                       parts_file=tmp_path / "stack.json")
     assert argv is not None
     assert argv[argv.index("--parts-file") + 1] == str(tmp_path / "stack.json")
     out = subprocess.run([*argv[:3], "route", "--help"], check=True, capture_output=True,

@@ -12,9 +12,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.launch.shared_spec import shared_tier
+from kvtier.launch.summary import say
 from kvtier.services.base import Service
-from kvtier.vllm.shared_spec import shared_tier
-from kvtier.vllm.summary import say
 
 BUCKET = "kvtier"
 _PROBE = {"s3": "s3://kvtier", "redis": "redis://127.0.0.1:6379/0"}

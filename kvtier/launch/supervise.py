@@ -53,7 +53,7 @@ class RestartPolicy:
 
 
 class Part(Protocol):
-    """What the supervisor needs of a part; :mod:`kvtier.vllm.parts` has the kinds."""
+    """What the supervisor needs of a part; :mod:`kvtier.launch.parts` has the kinds."""
 
     name: str
 

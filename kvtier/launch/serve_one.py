@@ -21,12 +21,12 @@ from kvtier import logs
 from kvtier.errors import ConfigError
 from kvtier.groups import stop_group
 from kvtier.httpjson import wait_models
+from kvtier.launch.children import die_with_parent
+from kvtier.launch.summary import say, tiers_line
 from kvtier.ports import wait_bindable
-from kvtier.vllm.children import die_with_parent
-from kvtier.vllm.summary import say, tiers_line
 
 if TYPE_CHECKING:
-    from kvtier.vllm.serve import ServePlan
+    from kvtier.launch.serve import ServePlan
 
 READY_TIMEOUT_S = 900.0
 ORPHAN_GRACE_S = 5.0
@@ -81,7 +81,7 @@ def _open_log(path: Path | None) -> IO[str] | None:
 
 
 def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
-    from kvtier.vllm.demo_request import DEV_MODE_ENV, demonstrate
+    from kvtier.launch.demo_request import DEV_MODE_ENV, demonstrate
 
     env = {**os.environ, **(DEV_MODE_ENV if demo else {})}
     # a session of its own: stopping it stops its group (the EngineCore with the API server)

@@ -20,11 +20,14 @@ from typing import Any
 from kvtier.auth import read_secrets
 from kvtier.config import AuthConfig, parse_size
 from kvtier.errors import ConfigError
+from kvtier.launch.front import DEFAULT_POLICY, ROUTERS, check_router
+from kvtier.launch.shared_spec import shared_tier
+from kvtier.launch.sizing import flag_value
+from kvtier.launch.supervise import RestartPolicy
+from kvtier.launch.vllm_router import ENV as VLLM_ROUTER_ENV
+from kvtier.launch.vllm_router import INSTALL as INSTALL_VLLM_ROUTER
+from kvtier.launch.vllm_router import find_vllm_router
 from kvtier.ports import MAX_PORT
-from kvtier.vllm.front import DEFAULT_POLICY, ROUTERS, check_router
-from kvtier.vllm.shared_spec import shared_tier
-from kvtier.vllm.sizing import flag_value
-from kvtier.vllm.supervise import RestartPolicy
 
 LOCAL_SERVICES = ("s3", "redis")
 RESTART_MODES = ("on-failure", "never")
@@ -45,6 +48,10 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router-policy", metavar="NAME",
                    help="its strategy / policy (default: cache for kvtier, round_robin for "
                    "vllm-router)")
+    g.add_argument("--vllm-router", metavar="PATH",
+                   help="the vllm-router executable for --router vllm-router (default: "
+                   f"${VLLM_ROUTER_ENV}, then the one `{INSTALL_VLLM_ROUTER}` installs, then "
+                   "PATH); kvtier serve never installs it")
     g.add_argument("--shared", metavar="SPEC",
                    help="the shared tier: a folder (default ~/.cache/kvtier/shared), "
                    "s3://BUCKET/PREFIX?endpoint=URL, redis://HOST:PORT/DB, or none")
@@ -88,6 +95,8 @@ class StackOptions:
     verify: bool
     node_token_file: str | None = None
     """``--node-token-file`` (absolute, checked); None: ``$KVTIER_NODE_TOKEN`` if set."""
+    vllm_router: Path | None = None
+    """The vllm-router executable (found before anything starts); None for other routers."""
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     @classmethod
@@ -106,6 +115,7 @@ class StackOptions:
             raise ConfigError("give --shared or --shared-local, not both")
         policy = args.router_policy or DEFAULT_POLICY[args.router]
         check_router(args.router, policy)
+        vllm_router = _vllm_router(args)
         vllm_args = list(args.vllm_args)
         port = int(flag_value(vllm_args, "--port") or 8000)
         host = flag_value(vllm_args, "--host") or "127.0.0.1"
@@ -119,7 +129,7 @@ class StackOptions:
             chunk_tokens=args.chunk_tokens, priority=args.priority,
             run_dir=Path(args.run_dir).expanduser() if args.run_dir else _default_run_dir(),
             verify=bool(args.verify), node_token_file=_token_file(args),
-            restart=_restart_policy(args))
+            vllm_router=vllm_router, restart=_restart_policy(args))
         top = options.node_port(n - 1)
         if top > MAX_PORT:
             raise ConfigError(f"--port {port}: instance {n - 1}'s node server would listen on "
@@ -128,7 +138,7 @@ class StackOptions:
         if options.shared_local is None:
             options.shared_tier()  # a bad --shared fails before anything starts
         else:
-            from kvtier.vllm.local_shared import check_local_shared
+            from kvtier.launch.local_shared import check_local_shared
 
             check_local_shared(options.shared_local)
         return options
@@ -181,8 +191,20 @@ def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
     return RestartPolicy(restart_on_failure=mode == "on-failure", limit=limit, window_s=window)
 
 
+def _vllm_router(args: argparse.Namespace) -> Path | None:
+    """The vllm-router to run for ``--router vllm-router``, found now, not when the router
+    starts (after the engines): a missing one fails before anything starts."""
+    given = getattr(args, "vllm_router", None)
+    if args.router != "vllm-router":
+        if given:
+            raise ConfigError(f"--vllm-router is for --router vllm-router, not --router "
+                              f"{args.router}")
+        return None
+    return find_vllm_router(given)
+
+
 def _token_file(args: argparse.Namespace) -> str | None:
-    from kvtier.vllm.serve import check_token_file
+    from kvtier.launch.serve import check_token_file
 
     path = getattr(args, "node_token_file", None)
     return check_token_file(path) if path else None

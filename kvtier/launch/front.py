@@ -5,10 +5,10 @@
 =============  ==============================================================================
 ``kvtier``     ``kvtier route --backends URL,URL --kvtier-servers URL,URL --strategy S
                --port P`` (``--router-policy``: the strategy, default ``cache``)
-``vllm-router``  vLLM's Rust router from its own venv (:func:`kvtier.bench.peers.
-               ensure_vllm_router`, installed on first use): ``vllm-router --worker-urls URL
-               URL --policy P --port P`` (default policy ``round_robin``), health-checking
-               its workers every 2 s (:data:`VLLM_ROUTER_HEALTH`)
+``vllm-router``  vLLM's Rust router, found (never installed) by :mod:`kvtier.launch.
+               vllm_router`: ``vllm-router --worker-urls URL URL --policy P --port P``
+               (default policy ``round_robin``), health-checking its workers every 2 s
+               (:data:`VLLM_ROUTER_HEALTH`)
 ``none``       no router: clients call the instances directly
 =============  ==============================================================================
 """
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.launch.vllm_router import find_vllm_router
 
 ROUTERS = ("kvtier", "vllm-router", "none")
 DEFAULT_POLICY = {"kvtier": "cache", "vllm-router": "round_robin", "none": ""}
@@ -50,13 +51,15 @@ def check_router(kind: str, policy: str) -> None:
 
 
 def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence[str],
-                node_urls: Sequence[str], install_log: Path, *,
+                node_urls: Sequence[str], vllm_router: Path | None = None, *,
                 node_token_file: str | None = None,
                 parts_file: Path | None = None) -> list[str] | None:
-    """The router's command line (None for ``none``); installs vllm-router if needed.
-    ``kvtier route`` reads the node token from ``$KVTIER_NODE_TOKEN`` (inherited) unless
-    ``node_token_file`` is given; vllm-router never asks node servers. ``parts_file``: the
-    stack.json whose parts' states ``kvtier route`` shows in its /metrics."""
+    """The router's command line (None for ``none``). ``vllm_router``: the executable for
+    ``vllm-router`` (ignored by the others; None: :func:`find_vllm_router`'s, which fails
+    when there is none). ``kvtier route`` reads the node token from ``$KVTIER_NODE_TOKEN``
+    (inherited) unless ``node_token_file`` is given; vllm-router never asks node servers.
+    ``parts_file``: the stack.json whose parts' states ``kvtier route`` shows in its
+    /metrics."""
     if kind == "none":
         return None
     if kind == "kvtier":
@@ -66,8 +69,6 @@ def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence
         if parts_file is not None:
             argv += ["--parts-file", str(parts_file)]
         return argv + (["--node-token-file", node_token_file] if node_token_file else [])
-    from kvtier.bench.peers import ensure_vllm_router
-
-    binary = ensure_vllm_router(log_file=install_log)
+    binary = vllm_router or find_vllm_router()
     return [str(binary), "--host", host, "--port", str(port), "--worker-urls", *backends,
             "--policy", policy, "--log-level", "warning", *VLLM_ROUTER_HEALTH]

@@ -3,40 +3,23 @@ command, the terminal summary, and child processes stopped by their ids."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from launch_helpers import GiB, options, parse
 
 from kvtier.cli import has_command, main
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkKey
+from kvtier.launch.children import Child, group_members, stop_all
+from kvtier.launch.front import check_router, router_argv
+from kvtier.launch.shared_spec import shared_tier
+from kvtier.launch.stack_options import StackOptions
+from kvtier.launch.summary import tiers_line
 from kvtier.tiers import TIERS
-from kvtier.vllm.block_book import BlockBook, ChunkBlocks
-from kvtier.vllm.children import Child, group_members, stop_all
-from kvtier.vllm.front import check_router, router_argv
-from kvtier.vllm.shared_spec import shared_tier
-from kvtier.vllm.stack_options import StackOptions
-from kvtier.vllm.summary import tiers_line
-
-GiB = 1 << 30
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    from kvtier.vllm.serve import register
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    return parser.parse_args(["serve", *argv])
-
-
-def options(*argv: str) -> StackOptions:
-    return StackOptions.from_args(parse("--instances", "2", "--router", "none", *argv), 4 * GiB)
-
 
 # ---------------------------------------------------------------------- the shared tier
 
@@ -51,7 +34,7 @@ def test_a_folder_is_an_fs_tier(tmp_path: Path) -> None:
 
 
 def test_s3_and_redis_urls_map_to_their_tier_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvtier.vllm.shared_spec._check_type", lambda _t: None)
+    monkeypatch.setattr("kvtier.launch.shared_spec._check_type", lambda _t: None)
     s3 = shared_tier("s3://bucket/a/b?endpoint=http://127.0.0.1:8333&region=eu-1"
                      "&create_bucket=1&credentials=profile:dev", GiB)
     assert s3 == {"type": "s3", "name": "shared", "capacity_bytes": GiB, "options": {
@@ -114,10 +97,10 @@ def test_bad_stack_options_fail_before_anything_starts(tmp_path: Path) -> None:
             StackOptions.from_args(parse("--instances", "2"), GiB)
 
 
-def test_router_command_lines(tmp_path: Path) -> None:
+def test_router_command_lines() -> None:
     backends, nodes = ["http://a:1", "http://b:2"], ["http://a:9", "http://b:9"]
-    assert router_argv("none", "", "127.0.0.1", 80, backends, nodes, tmp_path) is None
-    kvtier = router_argv("kvtier", "cache", "127.0.0.1", 80, backends, nodes, tmp_path)
+    assert router_argv("none", "", "127.0.0.1", 80, backends, nodes) is None
+    kvtier = router_argv("kvtier", "cache", "127.0.0.1", 80, backends, nodes)
     assert kvtier is not None and kvtier[1:] == [
         "-m", "kvtier", "route", "--backends", "http://a:1,http://b:2", "--kvtier-servers",
         "http://a:9,http://b:9", "--strategy", "cache", "--host", "127.0.0.1", "--port", "80"]
@@ -139,7 +122,7 @@ def test_the_summary_names_tiers_without_secrets() -> None:
         {"type": "fs", "name": "shared", "capacity_bytes": "1TiB", "options": {"path": "/n"}}]})
     assert tiers_line(config) == ("arena 1.5 GiB (host RAM) -> disk 20 GiB in /d -> "
                                   "fs 'shared' 1024 GiB in /n")
-    from kvtier.vllm.summary import tier_where
+    from kvtier.launch.summary import tier_where
 
     assert tier_where("redis", {"url": "redis://u:pw@h:1/0"}) == "redis://h:1/0"
 
@@ -161,7 +144,7 @@ def test_stopping_a_child_leaves_nothing_in_its_group(tmp_path: Path) -> None:
 
 
 def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
-    code = ("import sys, time; from pathlib import Path; from kvtier.vllm.children import "
+    code = ("import sys, time; from pathlib import Path; from kvtier.launch.children import "
             "Child; c = Child.start('s', ['sleep', '300'], Path(sys.argv[1])); "
             "print(c.pid, flush=True); time.sleep(300)")
     parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s.log")],
@@ -174,28 +157,3 @@ def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
     while group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_members(pid) == [], "PDEATHSIG: the child went with its parent"
-
-
-# ---------------------------------------------------------------------- the block book
-
-
-def _blocks(n: int) -> ChunkBlocks:
-    from array import array
-
-    return ChunkBlocks((bytes([n]),), None, array("l", [n]), 16)
-
-
-def test_the_block_book_is_bounded_and_keeps_what_was_announced() -> None:
-    a, b, c = (ChunkKey(bytes([n]) * 32) for n in range(3))
-    book = BlockBook(2)
-    book.write(a, _blocks(1))
-    first = book.get(a)
-    assert first is not None
-    first.held.add("arena")
-    book.write(a, _blocks(2))  # written again: still announced in the arena
-    again = book.get(a)
-    assert again is not None and again.held == {"arena"} and again.tokens.tolist() == [2]
-    book.write(b, _blocks(3))
-    book.write(c, _blocks(4))
-    assert a not in book and len(book) == 2 and book.forgotten_held == 1
-    assert list(book.held()) == []

@@ -1,4 +1,4 @@
-"""The kinds of part the stack supervises (:mod:`kvtier.vllm.supervise`).
+"""The kinds of part the stack supervises (:mod:`kvtier.launch.supervise`).
 
 - :class:`ProcessPart`: a child process with a log file and an HTTP probe — an instance
   (``kvtier serve``: its node server in the process, vLLM in a session of its own) or the
@@ -22,8 +22,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvtier.groups import child_groups, group_members
+from kvtier.launch.children import Child
 from kvtier.services.base import Service
-from kvtier.vllm.children import Child
 
 PROBE_TIMEOUT_S = 2.0
 KILL_WAIT_S = 30.0

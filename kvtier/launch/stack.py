@@ -11,7 +11,7 @@ Each instance is a single-instance ``kvtier serve`` child (vLLM plus the node se
 as if on a node of its own), bound to a core of its own on the CPU build
 (``VLLM_CPU_OMP_THREADS_BIND=i``), logging to ``RUN_DIR/instance-i.log``. The router starts
 once every instance answers (or was given up on). Every part — instance, router, local
-service — is supervised (:mod:`kvtier.vllm.supervise`): one that exits or stops answering
+service — is supervised (:mod:`kvtier.launch.supervise`): one that exits or stops answering
 is restarted alone, with backoff, until it fails too often and is given up; the rest keeps
 serving. One Ctrl-C (or SIGTERM) stops the router, then the instances (each by its process id,
 then whatever is left in its process groups), then any local service started for
@@ -36,12 +36,12 @@ import yaml
 
 from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
+from kvtier.launch.front import router_argv
+from kvtier.launch.parts import ProcessPart, ServicePart, stop_together
+from kvtier.launch.stack_options import StackOptions, cores
+from kvtier.launch.summary import say, tiers_line
+from kvtier.launch.supervise import PartState, Supervised, Supervisor
 from kvtier.ports import check_plan, ephemeral_range
-from kvtier.vllm.front import router_argv
-from kvtier.vllm.parts import ProcessPart, ServicePart, stop_together
-from kvtier.vllm.stack_options import StackOptions, cores
-from kvtier.vllm.summary import say, tiers_line
-from kvtier.vllm.supervise import PartState, Supervised, Supervisor
 
 GAVE_UP_STATUS = 3
 """Exit status of a stack stopped (Ctrl-C) after it gave up on a part; its last line names
@@ -50,7 +50,7 @@ the part. A stack that stops itself (every instance given up, or ``--restart nev
 
 
 def run_stack(args: argparse.Namespace) -> int:
-    from kvtier.vllm.serve import default_sizes
+    from kvtier.launch.serve import default_sizes
 
     try:
         options = StackOptions.from_args(args, default_sizes()[0])
@@ -176,7 +176,7 @@ class Stack:
     def _shared_tier(self) -> dict[str, Any] | None:
         if self.o.shared_local is None:
             return self.o.shared_tier()
-        from kvtier.vllm.local_shared import start_local_shared
+        from kvtier.launch.local_shared import start_local_shared
 
         spec, env, service = start_local_shared(self.o.shared_local, self.o.run_dir,
                                                 self.services)
@@ -222,7 +222,7 @@ class Stack:
         argv = router_argv(o.router, o.policy, o.host, o.port,
                            [self.url(i) for i in range(o.instances)],
                            [self.node_url(i) for i in range(o.instances)],
-                           o.run_dir / "router-install.log", node_token_file=o.node_token_file,
+                           o.vllm_router, node_token_file=o.node_token_file,
                            parts_file=state)
         if argv is None:
             return
@@ -313,6 +313,6 @@ class Stack:
 
 
 def _is_cpu_build() -> bool:
-    from kvtier.vllm.serve import is_cpu_build
+    from kvtier.launch.serve import is_cpu_build
 
     return is_cpu_build()

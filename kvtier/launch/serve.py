@@ -5,7 +5,7 @@
     kvtier serve                                  # demo model, host-RAM + disk tiers
     kvtier serve --model /models/llama --arena-size 8GiB --port 8001 --max-model-len 32768
     kvtier serve --instances 2                    # the stack: 2 instances, a shared tier,
-                                                  # a router in front (kvtier.vllm.stack)
+                                                  # a router in front (kvtier.launch.stack)
 
 Options kvtier does not know are handed to vLLM unchanged (``--port``, ``--max-model-len``,
 ``--tensor-parallel-size``, ...; anything after ``--`` too). This process hosts the node
@@ -36,8 +36,8 @@ import yaml
 
 from kvtier.config import AuthConfig, ServerConfig, parse_size, runtime_dir
 from kvtier.errors import ConfigError
+from kvtier.launch.sizing import estimate_payload_len, flag_value
 from kvtier.vllm.config import ConnectorConfig
-from kvtier.vllm.sizing import estimate_payload_len, flag_value
 
 log = logging.getLogger("kvtier.serve")
 
@@ -104,7 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-file", metavar="PATH",
                    help="where vLLM's output and kvtier's log lines go ('-': the terminal; "
                    "default: ~/.cache/kvtier/logs/serve-PORT.log)")
-    from kvtier.vllm.stack_options import add_stack_arguments
+    from kvtier.launch.stack_options import add_stack_arguments
 
     add_stack_arguments(p)
     p.set_defaults(func=run, vllm_args=[])
@@ -124,7 +124,7 @@ class ServePlan:
 
 def run(args: argparse.Namespace) -> int:
     if args.instances is not None:
-        from kvtier.vllm.stack import run_stack
+        from kvtier.launch.stack import run_stack
 
         return run_stack(args)
     try:
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(plan.cmd))
         return 0
-    from kvtier.vllm.serve_one import serve_one
+    from kvtier.launch.serve_one import serve_one
 
     return serve_one(plan, args.demo_request)
 
