@@ -21,7 +21,7 @@ from supervise_helpers import api_server, cold_run, fault, parts, warm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.services, pytest.mark.faults]
 
-INSTANCE_BACK_S = 180.0
+INSTANCE_BACK_S = 240.0
 ROUTER_BACK_S = 30.0
 SERVICE_BACK_S = 30.0
 
