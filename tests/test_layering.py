@@ -34,10 +34,12 @@ def test_core_runs_with_vllm_and_torch_blocked() -> None:
 # ---------------------------------------------------------------------- one way through the code
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ("kvtier.store",)
-"""Packages held to the two rules below: no import circle runs through one of their modules,
-and none of their modules reaches another module's private names. The rest of kvtier joins
-as its own circles and private reaches go (issue 16)."""
+TOLERATED_CIRCLES = ("kvtier.vllm", "kvtier.launch")
+"""TEMPORARY (issue 16): the launcher, moved from kvtier/vllm to kvtier/launch, still imports
+itself in a circle (serve_one, stack and stack_options import ServePlan, default_sizes,
+is_cpu_build and check_token_file back from serve). A circle whose modules all lie under these
+packages is let through until that is untangled; then delete this and ``tolerated``. Every
+other circle in kvtier fails the test."""
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 """Public despite the underscore (the namedtuple API)."""
 
@@ -105,42 +107,78 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(sorted(group) for group in groups)
 
 
-def private_reaches(path: Path) -> list[str]:
-    """Where a module uses another's private names: ``from m import _x``, ``import m._x``,
-    or ``obj._x`` on anything but ``self``/``cls`` (dunder names are not private)."""
-    def private(name: str) -> bool:
-        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _foreign_names(tree: ast.Module, package: str) -> set[str]:
+    """Names a module binds to imports from outside ``package`` (``import argparse``,
+    ``from transformers.utils import chat_template_utils``): the private names reached through
+    them (``argparse._SubParsersAction``) belong to the standard library or a third party,
+    whose own business they are, not to another module of ``package``."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                    if not _inside(alias.name, package)}
+        elif (isinstance(node, ast.ImportFrom) and not node.level
+              and not _inside(node.module or "", package)):
+            out |= {alias.asname or alias.name for alias in node.names}
+    return out
+
+
+def _through_foreign(node: ast.Attribute, foreign: set[str]) -> bool:
+    root = node.value
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    return isinstance(root, ast.Name) and root.id in foreign
+
+
+def private_reaches(path: Path, package: str = "kvtier") -> list[str]:
+    """Where a module uses the private names of another module of ``package``:
+    ``from m import _x``, ``import m._x``, or ``obj._x`` on anything but ``self``/``cls``
+    or a module imported from outside ``package`` (dunder names are not private)."""
+    tree = ast.parse(path.read_text(), str(path))
+    foreign = _foreign_names(tree, package)
     out: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
+            if not (node.level or _inside(node.module or "", package)):
+                continue
             dotted = (node.module or "").split(".")
             out += [f"{path.name}:{node.lineno}: from {node.module} import {alias.name}"
                     for alias in node.names
-                    if private(alias.name) or any(private(p) for p in dotted)]
+                    if _private(alias.name) or any(_private(p) for p in dotted)]
         elif isinstance(node, ast.Import):
             out += [f"{path.name}:{node.lineno}: import {alias.name}" for alias in node.names
-                    if any(private(p) for p in alias.name.split("."))]
-        elif (isinstance(node, ast.Attribute) and private(node.attr)
+                    if _inside(alias.name, package)
+                    and any(_private(p) for p in alias.name.split("."))]
+        elif (isinstance(node, ast.Attribute) and _private(node.attr)
               and node.attr not in NAMEDTUPLE_API
-              and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+              and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+              and not _through_foreign(node, foreign)):
             out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     return out
 
 
-def checked(module: str) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in CHECKED)
+def tolerated(group: list[str]) -> bool:
+    """TEMPORARY: a circle entirely inside the launcher on its move (``TOLERATED_CIRCLES``)."""
+    return any(all(_inside(m, p) for m in group) for p in TOLERATED_CIRCLES)
 
 
-def test_no_import_circle_runs_through_the_store() -> None:
+def test_no_import_circle_inside_kvtier() -> None:
     modules = modules_of(ROOT, "kvtier")
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    found = [group for group in circles(graph) if any(checked(m) for m in group)]
+    found = [group for group in circles(graph) if not tolerated(group)]
     assert found == [], f"modules that import each other: {found}"
 
 
-def test_no_store_module_reaches_anothers_private_names() -> None:
-    found = [reach for name, path in modules_of(ROOT, "kvtier").items() if checked(name)
+def test_no_kvtier_module_reaches_anothers_private_names() -> None:
+    found = [f"{name}: {reach}" for name, path in modules_of(ROOT, "kvtier").items()
              for reach in private_reaches(path)]
     assert found == [], "private names of other modules used:\n" + "\n".join(found)
 
@@ -153,7 +191,9 @@ def test_the_layering_checks_catch_what_they_forbid(tmp_path: Path) -> None:
         "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n",
         "b.py": "def f():\n    from pkg import a\n    return a._hidden, a.__name__\n",
         "c.py": "from pkg.a import _x\nimport pkg._private\n"
-                "class C:\n    def m(self):\n        return self._mine, self.x._theirs\n",
+                "class C:\n    def m(self):\n        return self._mine, self.x._theirs\n"
+                "import argparse, os.path\nfrom json import decoder as d\n"
+                "argparse._SubParsersAction, os.path._j, d._x\n",
         "sub/__init__.py": "from . import d\n",
         "sub/d.py": "from .. import c\nt = (1, 2)\nt._replace\n",
     }
@@ -164,11 +204,14 @@ def test_the_layering_checks_catch_what_they_forbid(tmp_path: Path) -> None:
     assert graph["pkg"] == set(), "a lazy re-export (PEP 562) is not an import"
     assert graph["pkg.sub"] == {"pkg.sub.d"} and graph["pkg.sub.d"] == {"pkg.c"}
     assert circles(graph) == [["pkg.a", "pkg.b"]], "TYPE_CHECKING and function imports count"
-    assert private_reaches(pkg / "b.py") == ["b.py:3: a._hidden"]
-    assert private_reaches(pkg / "c.py") == [
+    assert private_reaches(pkg / "b.py", "pkg") == ["b.py:3: a._hidden"]
+    assert private_reaches(pkg / "c.py", "pkg") == [
         "c.py:1: from pkg.a import _x", "c.py:2: import pkg._private",
-        "c.py:5: self.x._theirs"]
-    assert private_reaches(pkg / "sub" / "d.py") == []
+        "c.py:5: self.x._theirs"], "private names of the standard library are not ours"
+    assert private_reaches(pkg / "sub" / "d.py", "pkg") == []
+    assert tolerated(["kvtier.launch.serve", "kvtier.launch.stack"])
+    assert not tolerated(["kvtier.launch.serve", "kvtier.bench.peers"])
+    assert not tolerated(["kvtier.trace.results", "kvtier.trace.simulate"])
 
 
 def test_the_root_package_imports_its_public_names_on_first_use() -> None:
@@ -189,3 +232,45 @@ def test_the_root_package_imports_its_public_names_on_first_use() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "module 'kvtier' has no attribute 'NoSuchName'"
+
+
+# ---------------------------------------------------------------------- the launcher's layer
+
+LAYERS = {"kvtier.vllm": ("kvtier.launch", "kvtier.bench"), "kvtier.launch": ("kvtier.bench",)}
+"""Dependencies point one way: benchmarks → launcher → connector. The connector (kvtier.vllm)
+knows neither the launcher nor the benchmarks; the launcher (``kvtier serve``) never reaches
+into the benchmarks (peers are installed by them, not by ``kvtier serve``)."""
+
+
+def _absolute_imports(module: str, path: Path) -> set[str]:
+    """Every dotted name a module imports, anywhere in it (module level, TYPE_CHECKING,
+    function bodies): ``from a.b import c`` gives ``a.b`` and ``a.b.c``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([node.module] if node.module else [])])
+            out |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return out
+
+
+def _reaches(imported: set[str], package: str) -> bool:
+    return any(name == package or name.startswith(package + ".") for name in imported)
+
+
+def test_the_connector_and_the_launcher_import_only_downward() -> None:
+    seen: dict[str, set[str]] = {}
+    for layer, forbidden in LAYERS.items():
+        for path in sorted((ROOT / Path(*layer.split("."))).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            seen[name] = _absolute_imports(name, path)
+            bad = sorted(p for p in forbidden if _reaches(seen[name], p))
+            assert not bad, f"{name} imports {bad}; allowed: nothing of {list(forbidden)}"
+    assert _reaches(seen["kvtier.launch.serve"], "kvtier.vllm"), "the scan sees imports"
+    assert "kvtier.launch.vllm_router" in seen

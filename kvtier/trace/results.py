@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 from kvtier.trace.hits import HitCounts
 
-if TYPE_CHECKING:
-    from kvtier.trace.simulate import WritePolicy
+WritePolicy = Literal["through", "back"]
+"""When a tier's write reaches the tier below: on every write, or when the chunk is evicted."""
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 from kvtier.config import ArenaConfig
 from kvtier.errors import ConfigError
@@ -58,12 +57,11 @@ from kvtier.policies import (
 )
 from kvtier.trace.formats import BlockId, Request
 from kvtier.trace.hits import HitCounts
-from kvtier.trace.results import SimResult, TierResult
+from kvtier.trace.results import SimResult, TierResult, WritePolicy
 
 HOST = "host"
 UNBOUNDED_POLICY_CAPACITY = 1 << 40
 """What an ``inf`` tier tells its policy: ghost lists sized from it never fill."""
-WritePolicy = Literal["through", "back"]
 DEFAULT_FREE_TARGET = ArenaConfig().free_target
 
 

@@ -1,7 +1,7 @@
 """TieredStore on its own arena: lookup, the two-phase store and load, leases and their expiry.
 
 The disk tier's stories (write-through, write-back, admission, promotion, corruption, restart)
-are in test_store_scenarios.py.
+are in test_scenarios.py.
 """
 
 from __future__ import annotations
