@@ -25,10 +25,8 @@ import json
 import logging
 import os
 import shlex
-import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +34,20 @@ import yaml
 
 from kvtier.config import AuthConfig, ServerConfig, parse_size, runtime_dir
 from kvtier.errors import ConfigError
+from kvtier.launch.plan import (
+    GiB,
+    MiB,
+    ServePlan,
+    check_token_file,
+    default_disk_path,
+    default_sizes,
+    is_cpu_build,
+)
 from kvtier.launch.sizing import estimate_payload_len, flag_value
 from kvtier.vllm.config import ConnectorConfig
 
 log = logging.getLogger("kvtier.serve")
 
-GiB = 1 << 30
-MiB = 1 << 20
 DEMO_NAME = "kvtier-demo"
 NODE_TOKEN_ENV = AuthConfig().http_token_env
 """Where node servers, ``kvtier route`` and ``kvtier verify`` read the node token by
@@ -108,18 +113,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_stack_arguments(p)
     p.set_defaults(func=run, vllm_args=[])
-
-
-@dataclass
-class ServePlan:
-    cmd: list[str]
-    server: ServerConfig | None
-    """The node server this process hosts (None: attach to one, or vLLM embeds it)."""
-    model: str = ""
-    base_url: str = "http://127.0.0.1:8000"
-    log_file: Path | None = None
-    """Where vLLM's output goes (None: the terminal)."""
-    socket_path: str = ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,16 +220,6 @@ def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
     return server
 
 
-def check_token_file(path: str) -> str:
-    """``path`` made absolute, once it is known to hold a token in an owner-only file (a
-    ConfigError names what is wrong, never the token)."""
-    from kvtier.auth import read_secrets
-
-    absolute = os.path.abspath(os.path.expanduser(path))
-    read_secrets(None, absolute, what="--node-token-file")
-    return absolute
-
-
 def _given(argv: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
@@ -262,37 +245,6 @@ def _demo_defaults(vllm_args: Sequence[str]) -> list[str]:
             and "VLLM_CPU_KVCACHE_SPACE" not in os.environ):
         out += ["--kv-cache-memory-bytes", str(GiB)]
     return out
-
-
-def is_cpu_build() -> bool:
-    from importlib import metadata
-
-    try:
-        metadata.version("vllm-cpu")
-        return True
-    except metadata.PackageNotFoundError:
-        return False
-
-
-def default_sizes() -> tuple[int, int]:
-    """(arena, disk) bytes: 1/8 of RAM (0.5-16 GiB), 1/4 of free disk (1-64 GiB)."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = 8 * GiB
-    arena = min(max(ram // 8, 512 * MiB), 16 * GiB) // MiB * MiB
-    probe = default_disk_path()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    disk = min(max(free // 4, GiB), 64 * GiB) // GiB * GiB
-    return arena, disk
-
-
-def default_disk_path() -> Path:
-    from kvtier.demo.model import default_cache_dir
-
-    return default_cache_dir() / "disk"
 
 
 def _default_socket() -> str:

@@ -38,6 +38,7 @@ from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
 from kvtier.launch.front import router_argv
 from kvtier.launch.parts import ProcessPart, ServicePart, stop_together
+from kvtier.launch.plan import default_sizes, is_cpu_build
 from kvtier.launch.stack_options import StackOptions, cores
 from kvtier.launch.summary import say, tiers_line
 from kvtier.launch.supervise import PartState, Supervised, Supervisor
@@ -50,8 +51,6 @@ the part. A stack that stops itself (every instance given up, or ``--restart nev
 
 
 def run_stack(args: argparse.Namespace) -> int:
-    from kvtier.launch.serve import default_sizes
-
     try:
         options = StackOptions.from_args(args, default_sizes()[0])
     except KvtierError as exc:
@@ -313,6 +312,4 @@ class Stack:
 
 
 def _is_cpu_build() -> bool:
-    from kvtier.launch.serve import is_cpu_build
-
     return is_cpu_build()

@@ -21,6 +21,7 @@ from kvtier.auth import read_secrets
 from kvtier.config import AuthConfig, parse_size
 from kvtier.errors import ConfigError
 from kvtier.launch.front import DEFAULT_POLICY, ROUTERS, check_router
+from kvtier.launch.plan import check_token_file
 from kvtier.launch.shared_spec import shared_tier
 from kvtier.launch.sizing import flag_value
 from kvtier.launch.supervise import RestartPolicy
@@ -204,8 +205,6 @@ def _vllm_router(args: argparse.Namespace) -> Path | None:
 
 
 def _token_file(args: argparse.Namespace) -> str | None:
-    from kvtier.launch.serve import check_token_file
-
     path = getattr(args, "node_token_file", None)
     return check_token_file(path) if path else None
 
