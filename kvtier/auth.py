@@ -145,24 +145,41 @@ def read_secrets(env_name: str | None, file: str | None, what: str = "cluster se
     return [s.strip().encode() for s in raw.split(",") if s.strip()]
 
 
-def _from_file(path: str, what: str) -> list[bytes]:
+MAX_SECRET_FILE_BYTES = 64 << 10
+
+
+def read_private_file(path: str, what: str, max_bytes: int = MAX_SECRET_FILE_BYTES, *,
+                      owner_only: bool = True) -> tuple[bytes, bool]:
+    """The bytes of the regular file at ``path``, and whether only its owner may read it.
+
+    The one reader of files that hold secrets (the cluster secret, the node token, a Redis
+    password, the router's tenants): never through a symbolic link, never blocking on a FIFO,
+    at most ``max_bytes``; with ``owner_only`` a file others may read is refused (chmod 600).
+    Errors name ``what`` and the path, never the content.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(f"{what} file {path}: cannot open: {exc.strerror}") from exc
+        raise ConfigError(f"{what}: cannot open {path}: {exc.strerror}") from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{what} file {path}: not a regular file")
-        if info.st_mode & 0o077:
-            raise ConfigError(f"{what} file {path}: readable by others (mode "
-                              f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
-        if info.st_size > 64 << 10:
-            raise ConfigError(f"{what} file {path}: {info.st_size} bytes; at most 64 KiB")
+            raise ConfigError(f"{what}: {path} is not a regular file")
+        private = not info.st_mode & 0o077
+        if owner_only and not private:
+            raise ConfigError(f"{what}: {path} is readable by others (mode "
+                              f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            text = f.read(64 << 10)
+            data = f.read(max_bytes + 1)
     finally:
         os.close(fd)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{what}: {path} is larger than {max_bytes} bytes")
+    return data, private
+
+
+def _from_file(path: str, what: str) -> list[bytes]:
+    text, _ = read_private_file(path, f"{what} file")
     secrets = [line.strip() for line in text.splitlines()]
     found = [s for s in secrets if s and not s.startswith(b"#")]
     if not found:

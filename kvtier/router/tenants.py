@@ -27,14 +27,13 @@ import hmac
 import json
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from kvtier.auth import read_secrets
+from kvtier.auth import read_private_file, read_secrets
 from kvtier.errors import ConfigError
 
 DEFAULT_TENANT = "default"
@@ -183,22 +182,13 @@ def load_tenants(path: str, legacy_key: str | None, salt_secret: bytes | None,
 
 def _read_file(path: str) -> tuple[Any, bool]:
     """The parsed file, and whether only its owner may read it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"--tenants-file {path}: cannot open: {exc.strerror}") from exc
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"--tenants-file {path}: not a regular file")
-        text = f.read(MAX_TENANTS_FILE_BYTES + 1)
-    if len(text) > MAX_TENANTS_FILE_BYTES:
-        raise ConfigError(f"--tenants-file {path}: larger than 1 MiB")
+    text, private = read_private_file(path, "--tenants-file", MAX_TENANTS_FILE_BYTES,
+                                      owner_only=False)
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"--tenants-file {path}: not YAML or JSON: {exc}") from exc
-    return doc, not info.st_mode & 0o077
+    return doc, private
 
 
 def _tenant(path: str, name: object, spec: object, private: bool,

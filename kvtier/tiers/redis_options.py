@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 
+from kvtier.auth import read_private_file
 from kvtier.config import ConfigStruct, parse
 from kvtier.errors import ConfigError
 
@@ -160,18 +160,7 @@ def load_password(options: RedisOptions, where: str) -> str | None:
 
 
 def _read_password_file(path: str, where: str) -> str:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot open {path!r}: {exc.strerror}") from exc
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{where}: {path!r} is not a regular file")
-        if info.st_mode & 0o077:
-            raise ConfigError(f"{where}: {path!r} is readable by others (mode "
-                              f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
-        raw = f.read(64 << 10)
+    raw, _ = read_private_file(path, where)
     try:
         text = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError:  # its message would quote bytes of the password
