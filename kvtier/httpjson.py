@@ -1,14 +1,18 @@
 """Small JSON-over-HTTP calls with the standard library (OpenAI-compatible servers, node
-servers' HTTP APIs), for the CLI tools that must not need an HTTP client package."""
+servers' HTTP APIs), for the CLI tools that must not need an HTTP client package; and the
+probes that tell whether a server kvtier started answers yet."""
 
 from __future__ import annotations
 
+import http.client
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
+
+from kvtier.processes import wait_ready
 
 
 class HttpError(Exception):
@@ -65,15 +69,40 @@ def _json(url: str, raw: bytes) -> Any:
         raise HttpError(url, 200, f"not JSON: {text[:200]}") from exc
 
 
+def http_status(url: str, *, method: str = "GET", timeout_s: float = 2.0) -> int | None:
+    """The HTTP status ``url`` answers (its body read up to 64 KiB); None if nothing answers
+    in time. Any status counts as an answer: the caller decides which mean "ready"."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
+                                      timeout=timeout_s)
+    try:
+        conn.request(method, parts.path or "/")
+        resp = conn.getresponse()
+        resp.read(64 * 1024)
+        return resp.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def answers_200(url: str, timeout_s: float = 5.0) -> Callable[[], bool]:
+    """A readiness probe: does ``GET url`` answer 200 now?"""
+    return lambda: http_status(url, timeout_s=timeout_s) == 200
+
+
+def first_model(base: str, headers: Mapping[str, str] | None = None) -> str | None:
+    """The first model an OpenAI-compatible server at ``base`` lists; None if it does not
+    answer (yet) or lists none."""
+    try:
+        return str(get_json(f"{base}/v1/models", timeout_s=5, headers=headers)
+                   ["data"][0]["id"])
+    except (HttpError, KeyError, IndexError, TypeError):
+        return None
+
+
 def wait_models(base: str, alive: Callable[[], bool], timeout_s: float,
                 headers: Mapping[str, str] | None = None) -> str | None:
     """The first model an OpenAI-compatible server at ``base`` lists, once it answers;
     None if ``alive()`` turns false or it does not answer within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and alive():
-        try:
-            return str(get_json(f"{base}/v1/models", timeout_s=5, headers=headers)
-                       ["data"][0]["id"])
-        except (HttpError, KeyError, IndexError, TypeError):
-            time.sleep(0.5)
-    return None
+    return wait_ready(lambda: first_model(base, headers), timeout_s=timeout_s, alive=alive)

@@ -1,8 +1,14 @@
 """TCP ports for the servers kvtier starts: free ones, distinct ones, and checking a plan.
 
-A port is free when a server could bind it now (``SO_REUSEADDR``, as the servers set). Ports
-chosen together are held open until all are chosen, so they are distinct; a plan of derived
-ports (``P``, ``P+1+i``, ``P+101+i``) is checked before anything starts, each one named.
+A port is free when a server could bind it now (``SO_REUSEADDR``, as the servers set). Free
+ports are drawn at random from below the kernel's ephemeral range (else above it), so an
+outgoing connection, which takes its local port from that range, cannot grab one between the
+check and the server's own bind, nor leave it in TIME_WAIT. Ports chosen together are held
+open until all are chosen, so they are distinct, and a port handed out once is never handed
+out again by this process (several test services start side by side). Another process can
+still take one before its server binds it: the services retry their start with fresh ports.
+A plan of derived ports (``P``, ``P+1+i``, ``P+101+i``) is checked before anything starts,
+each one named.
 
 A port can also be busy for a while without any server on it: an outgoing connection takes
 its local port from the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by
@@ -16,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import random
 import socket
+import threading
 import time
 from collections.abc import Iterable, Mapping
 
@@ -26,6 +34,12 @@ log = logging.getLogger("kvtier.ports")
 
 MAX_PORT = 65535
 _ATTEMPTS = 50
+_LOWEST = 20000
+_DRAWS = 200
+
+_lock = threading.Lock()
+_handed_out: set[int] = set()
+_rng = random.SystemRandom()
 
 
 TIME_WAIT_S = 60.0
@@ -103,14 +117,49 @@ def wait_bindable(port: int, what: str, host: str = "127.0.0.1",
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free now (each socket stays bound until all are picked)."""
-    with contextlib.ExitStack() as held:
-        out = []
-        for _ in range(n):
-            s = held.enter_context(socket.socket())
-            s.bind((host, 0))
-            out.append(int(s.getsockname()[1]))
-        return out
+    """``n`` distinct ports free now, outside the ephemeral range, never handed out before
+    by this process (each socket stays bound until all are picked)."""
+    low, high = _candidate_range()
+    with _lock, contextlib.ExitStack() as held:
+        chosen: list[int] = []
+        for _ in range(_DRAWS):
+            if len(chosen) == n:
+                break
+            port = _rng.randint(low, high) if low <= high else 0  # 0: the kernel picks
+            if port in _handed_out or port in chosen:
+                continue
+            sock = _bound(port, host)
+            if sock is not None:
+                held.enter_context(sock)
+                port = int(sock.getsockname()[1])
+                if port not in _handed_out and port not in chosen:
+                    chosen.append(port)
+        if len(chosen) < n:
+            raise ConfigError(f"found only {len(chosen)} of {n} free ports in {low}-{high} "
+                              f"on {host}")
+        _handed_out.update(chosen)
+        return chosen
+
+
+def _candidate_range() -> tuple[int, int]:
+    """Ports below the ephemeral range, else above it; an empty range (low > high) when
+    neither has room for 2000."""
+    first, last = ephemeral_range()
+    if first - 1 - _LOWEST >= 2000:
+        return _LOWEST, first - 1
+    if MAX_PORT - last >= 2000:
+        return last + 1, MAX_PORT
+    return 1, 0
+
+
+def _bound(port: int, host: str) -> socket.socket | None:
+    sock = socket.socket()
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -34,12 +34,6 @@ def test_core_runs_with_vllm_and_torch_blocked() -> None:
 # ---------------------------------------------------------------------- one way through the code
 
 ROOT = Path(__file__).resolve().parents[1]
-TOLERATED_CIRCLES = ("kvtier.vllm", "kvtier.launch")
-"""TEMPORARY (issue 16): the launcher, moved from kvtier/vllm to kvtier/launch, still imports
-itself in a circle (serve_one, stack and stack_options import ServePlan, default_sizes,
-is_cpu_build and check_token_file back from serve). A circle whose modules all lie under these
-packages is let through until that is untangled; then delete this and ``tolerated``. Every
-other circle in kvtier fails the test."""
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 """Public despite the underscore (the namedtuple API)."""
 
@@ -165,15 +159,10 @@ def private_reaches(path: Path, package: str = "kvtier") -> list[str]:
     return out
 
 
-def tolerated(group: list[str]) -> bool:
-    """TEMPORARY: a circle entirely inside the launcher on its move (``TOLERATED_CIRCLES``)."""
-    return any(all(_inside(m, p) for m in group) for p in TOLERATED_CIRCLES)
-
-
 def test_no_import_circle_inside_kvtier() -> None:
     modules = modules_of(ROOT, "kvtier")
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    found = [group for group in circles(graph) if not tolerated(group)]
+    found = circles(graph)
     assert found == [], f"modules that import each other: {found}"
 
 
@@ -209,9 +198,6 @@ def test_the_layering_checks_catch_what_they_forbid(tmp_path: Path) -> None:
         "c.py:1: from pkg.a import _x", "c.py:2: import pkg._private",
         "c.py:5: self.x._theirs"], "private names of the standard library are not ours"
     assert private_reaches(pkg / "sub" / "d.py", "pkg") == []
-    assert tolerated(["kvtier.launch.serve", "kvtier.launch.stack"])
-    assert not tolerated(["kvtier.launch.serve", "kvtier.bench.peers"])
-    assert not tolerated(["kvtier.trace.results", "kvtier.trace.simulate"])
 
 
 def test_the_root_package_imports_its_public_names_on_first_use() -> None:
@@ -274,3 +260,36 @@ def test_the_connector_and_the_launcher_import_only_downward() -> None:
             assert not bad, f"{name} imports {bad}; allowed: nothing of {list(forbidden)}"
     assert _reaches(seen["kvtier.launch.serve"], "kvtier.vllm"), "the scan sees imports"
     assert "kvtier.launch.vllm_router" in seen
+
+
+# -------------------------------------------------------------- test-only code stays in tests/
+
+
+def _test_module_names(tests: Path) -> set[str]:
+    """The top-level names under which test code can be imported: ``tests`` itself, each
+    module of a folder that is no package (pytest puts those folders on sys.path), and each
+    package whose parent is no package."""
+    names = {tests.name}
+    for folder in [tests, *(p for p in tests.rglob("*") if p.is_dir())]:
+        if "__pycache__" in folder.parts:
+            continue
+        if (folder / "__init__.py").exists():
+            if not (folder.parent / "__init__.py").exists():
+                names.add(folder.name)
+        else:
+            names |= {path.stem for path in folder.glob("*.py")}
+    return names
+
+
+def test_the_product_never_imports_test_code() -> None:
+    """Test services and helpers live in tests/ (hangprobe and baselines measure the test
+    services, reachable only from tests); no kvtier module imports anything from there."""
+    test_names = _test_module_names(ROOT / "tests")
+    assert {"service_fixtures", "services", "tests"} <= test_names, "the scan sees tests/"
+    for name, path in modules_of(ROOT, "kvtier").items():
+        bad = sorted(i for i in _absolute_imports(name, path)
+                     if i.split(".")[0] in test_names)
+        assert not bad, f"{name} imports test code {bad}; tests/ is never imported by kvtier"
+    for gone in ("hangprobe", "baselines"):
+        assert not list((ROOT / "kvtier").rglob(f"{gone}.py")), f"{gone} is test code"
+        assert (ROOT / "tests" / "services" / f"{gone}.py").exists()

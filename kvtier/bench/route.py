@@ -21,15 +21,19 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ServiceStartError
+from kvtier.httpjson import answers_200
 from kvtier.ports import free_ports
+from kvtier.processes import Child, stop_group, wait_ready
+
+STOP_TIMEOUT_S = 30.0
 
 MODEL = "stub"
 
@@ -56,27 +60,20 @@ def run(args: argparse.Namespace) -> int:
 
 def bench(requests: int, concurrency: int, duration_s: float, strategy: str) -> dict[str, Any]:
     stub_port, router_port = free_ports(2)
-    stub = _spawn([sys.executable, "-m", "kvtier.bench.stub_backend", "--port",
-                   str(stub_port)])
-    router = None
-    try:
-        direct = f"http://127.0.0.1:{stub_port}"
-        _wait_up(direct, stub)
-        router = _spawn([sys.executable, "-m", "kvtier", "route", "--backends", direct,
-                         "--port", str(router_port), "--strategy", strategy,
-                         "--log-level", "warning"])
-        routed = f"http://127.0.0.1:{router_port}"
-        _wait_up(routed, router)
-        figures = asyncio.run(_measure(direct, routed, requests, concurrency, duration_s))
-    finally:
-        for proc in (router, stub):
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+    direct = f"http://127.0.0.1:{stub_port}"
+    routed = f"http://127.0.0.1:{router_port}"
+    started: list[Child] = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-route-") as logs:
+        try:
+            _start(started, Path(logs), "stub", direct, [
+                sys.executable, "-m", "kvtier.bench.stub_backend", "--port", str(stub_port)])
+            _start(started, Path(logs), "router", routed, [
+                sys.executable, "-m", "kvtier", "route", "--backends", direct, "--port",
+                str(router_port), "--strategy", strategy, "--log-level", "warning"])
+            figures = asyncio.run(_measure(direct, routed, requests, concurrency, duration_s))
+        finally:
+            for proc in reversed(started):
+                stop_group(proc.popen, STOP_TIMEOUT_S)
     figures.update({"strategy": strategy, "requests": requests, "concurrency": concurrency,
                     "duration_s": duration_s, "cpus": os.cpu_count()})
     return figures
@@ -178,25 +175,15 @@ def print_figures(f: dict[str, Any]) -> None:
           f"{'':9}  (routed / direct = {t['routed_rps'] / t['direct_rps']:.2f})")
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise ServiceStartError(f"{proc.args!r} exited: {err[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.1)
+def _start(started: list[Child], logs: Path, name: str, url: str, argv: list[str],
+           timeout_s: float = 60.0) -> None:
+    """Start ``argv`` (noted in ``started`` at once, to be stopped) and wait until
+    ``url``/health answers 200."""
+    proc = Child.start(name, argv, logs / f"{name}.log")
+    started.append(proc)
+    if wait_ready(answers_200(f"{url}/health", timeout_s=2.0), timeout_s=timeout_s,
+                  alive=lambda: proc.running, every_s=0.1):
+        return
+    if not proc.running:
+        raise ServiceStartError(f"{argv!r} exited: {proc.tail()}")
     raise ServiceStartError(f"{url} did not come up within {timeout_s:.0f} s")
-
-

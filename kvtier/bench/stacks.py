@@ -11,9 +11,10 @@ lines::
 
     register_stack("mine", "what it is", _start_mine)
 
-Every process runs in its own session (process group) with its output in the work folder;
-``Stack.stop`` sends SIGTERM to each group it started (last started first), whether or not
-its leader is still alive, and SIGKILL to what is left after a grace period.
+Every process runs in its own session (process group) with its output in the work folder
+(:class:`kvtier.processes.Child`); ``Stack.stop`` sends SIGTERM to each group it started (last
+started first), whether or not its leader is still alive, and SIGKILL to what is left after
+a grace period.
 """
 
 from __future__ import annotations
@@ -22,17 +23,15 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier import ports
 from kvtier.errors import ConfigError, KvtierError, UnknownBackendError
-from kvtier.groups import stop_group
+from kvtier.httpjson import answers_200
+from kvtier.processes import Child, log_tail, stop_group, wait_ready
 
 VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 
@@ -67,27 +66,22 @@ class ProcSpec:
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-
-@dataclass
 class Stack:
     url: str
-    procs: list[Proc]
+    procs: list[Child]
     stop_timeout_s: float = 60.0
 
     def alive(self) -> bool:
-        return all(p.popen.poll() is None for p in self.procs)
+        return all(p.running for p in self.procs)
 
     def stop(self) -> None:
+        # the whole group, even when its leader has exited: vLLM's EngineCore outlives a
+        # crashed API server, and would go on using the cores the next stack is measured on
         for proc in reversed(self.procs):
-            _stop(proc.popen, self.stop_timeout_s)
+            stop_group(proc.popen, self.stop_timeout_s)
 
-    def log_tail(self, chars: int = 1500) -> str:
-        return "\n".join(f"--- {p.name} ({p.log}):\n{_tail(p.log, chars)}" for p in self.procs)
+    def log_tail(self, lines: int = 15) -> str:
+        return "\n".join(f"--- {p.name} ({p.log}):\n{p.tail(lines)}" for p in self.procs)
 
 
 @dataclass(frozen=True)
@@ -121,13 +115,7 @@ def free_port() -> int:
 
 
 def http_ready(url: str) -> Callable[[], bool]:
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return bool(resp.status == 200)
-        except OSError:
-            return False
-    return ready
+    return answers_200(url)
 
 
 def tcp_ready(port: int) -> Callable[[], bool]:
@@ -152,12 +140,8 @@ def launch(env: StackEnv, specs: Sequence[ProcSpec], port: int) -> Stack:
     stack = Stack(f"http://127.0.0.1:{port}", [], env.stop_timeout_s)
     try:
         for spec in specs:
-            log = env.workdir / f"{spec.name}.log"
-            with open(log, "ab") as out:
-                popen = subprocess.Popen(spec.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **env.env, **spec.env},
-                                         start_new_session=True)
-            proc = Proc(spec.name, popen, log)
+            proc = Child.start(spec.name, spec.argv, env.workdir / f"{spec.name}.log",
+                               env={**os.environ, **env.env, **spec.env})
             stack.procs.append(proc)
             _wait(spec, proc, env.ready_timeout_s)
     except BaseException:
@@ -166,23 +150,13 @@ def launch(env: StackEnv, specs: Sequence[ProcSpec], port: int) -> Stack:
     return stack
 
 
-def _wait(spec: ProcSpec, proc: Proc, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not spec.ready():
-        rc = proc.popen.poll()
-        if rc is not None:
-            raise StackError(f"{spec.name} exited with status {rc} before it was ready: "
-                             f"{_cause(proc.log)}\n{_tail(proc.log)}")
-        if time.monotonic() > deadline:
-            raise StackError(f"{spec.name} was not ready after {timeout_s:.0f} s: "
-                             f"{_cause(proc.log)}\n{_tail(proc.log)}")
-        time.sleep(0.5)
-
-
-def _stop(popen: subprocess.Popen[bytes], timeout_s: float) -> None:
-    # the whole group, even when its leader has exited: vLLM's EngineCore outlives a crashed
-    # API server, and would go on using the cores the next stack is measured on
-    stop_group(popen, timeout_s)
+def _wait(spec: ProcSpec, proc: Child, timeout_s: float) -> None:
+    if wait_ready(spec.ready, timeout_s=timeout_s, alive=lambda: proc.running):
+        return
+    rc = proc.returncode()
+    why = (f"exited with status {rc} before it was ready" if rc is not None
+           else f"was not ready after {timeout_s:.0f} s")
+    raise StackError(f"{spec.name} {why}: {_cause(proc.log)}\n{proc.tail(25)}")
 
 
 _CAUSE = re.compile(r"\b(?:[A-Z][A-Za-z]*Error|Exception)\b: .*")
@@ -190,19 +164,11 @@ _CAUSE = re.compile(r"\b(?:[A-Z][A-Za-z]*Error|Exception)\b: .*")
 
 def _cause(path: Path) -> str:
     """The log's first error line (the root cause, before the tracebacks it sets off)."""
-    for line in _tail(path, 200_000).splitlines():
+    for line in log_tail(path, lines=1 << 20, max_bytes=200_000).splitlines():
         match = _CAUSE.search(line)
         if match and "ulimit" not in line:
             return match.group()[:300]
     return "(no error line in its log)"
-
-
-def _tail(path: Path, chars: int = 2000) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return "(no log)"
-    return data[-chars:].decode(errors="replace")
 
 
 # ------------------------------------------------------------------ configurations

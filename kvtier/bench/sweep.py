@@ -287,7 +287,7 @@ def point_of(result: dict[str, Any], users: int, history: int, rel: str, stack: 
         kinds = list(s["error_kinds"])
         error = f"every request failed: {kinds[0] if kinds else '?'}"
         if not stack.alive():
-            error += "\n" + stack.log_tail(600)
+            error += "\n" + stack.log_tail(6)
     return {"users": users, "history_tokens": history,
             "throughput_tok_s": s["total_tok_s"] if error is None else None,
             "p99_ttft_s": m["p99_ttft"], "hit_ratio": m["hit_ratio"],
@@ -307,7 +307,7 @@ def _warm_up(stack: Stack, model: str) -> None:
     try:
         httpx.post(f"{stack.url}/v1/completions", json=body, timeout=300).raise_for_status()
     except httpx.HTTPError as exc:
-        raise ConfigError(f"the warm-up request failed: {exc}\n{stack.log_tail(800)}"
+        raise ConfigError(f"the warm-up request failed: {exc}\n{stack.log_tail(8)}"
                           ) from exc
 
 

@@ -12,37 +12,18 @@
 from __future__ import annotations
 
 import contextlib
-import http.client
-import os
 import signal
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from kvtier.groups import child_groups, group_members
-from kvtier.launch.children import Child
+from kvtier.httpjson import http_status
+from kvtier.processes import Child, child_groups, kill_groups
 from kvtier.services.base import Service
 
 PROBE_TIMEOUT_S = 2.0
-KILL_WAIT_S = 30.0
-
-
-def http_status(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
-    """The status of ``GET url`` (None: no HTTP answer in time)."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
-                                      timeout=timeout_s)
-    try:
-        conn.request("GET", parts.path or "/")
-        resp = conn.getresponse()
-        resp.read(64 * 1024)
-        return resp.status
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
 
 
 @dataclass
@@ -60,21 +41,20 @@ class ProcessPart:
     groups: set[int] = field(default_factory=set)
 
     def launch(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as log:  # the log is kept across restarts
-            log.write(f"--- {time.strftime('%H:%M:%S')} kvtier serve starts {self.name}\n")
         self.groups = set()
-        self.child = Child.start(self.name, self.argv, self.log_path, self.env)
+        self.child = Child.start(  # the log is kept across restarts
+            self.name, self.argv, self.log_path, env=self.env,
+            header=f"--- {time.strftime('%H:%M:%S')} kvtier serve starts {self.name}\n")
 
     def running(self) -> bool:
         return self.child is not None and self.child.running
 
     def answers(self) -> bool:
-        status = http_status(self.probe_url)
+        status = http_status(self.probe_url, timeout_s=PROBE_TIMEOUT_S)
         return status == 200 if self.only_200 else status is not None
 
     def exit_status(self) -> int | None:
-        return self.child.popen.poll() if self.child is not None else None
+        return self.child.returncode() if self.child is not None else None
 
     def observe(self) -> None:
         if self.child is not None and self.child.running:
@@ -84,24 +64,17 @@ class ProcessPart:
         if self.child is None:
             return
         self.observe()
-        pgids = [self.child.pid, *sorted(self.groups)]
-        for pgid in pgids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            self.child.popen.wait(timeout=KILL_WAIT_S)
-        deadline = time.monotonic() + KILL_WAIT_S
-        while any(group_members(g) for g in pgids) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self.child.signal_group(signal.SIGKILL)  # at once with the groups it started
+        kill_groups(self.groups)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.child.kill()
 
     def stop(self, timeout_s: float) -> None:
         if self.child is None:
             return
         self.observe()
         self.child.stop(timeout_s)
-        for pgid in self.groups:  # what it should have stopped and did not
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+        kill_groups(self.groups)  # what it should have stopped and did not
 
     @property
     def pid(self) -> int | None:
@@ -165,6 +138,4 @@ def stop_together(parts: Sequence[ProcessPart], timeout_s: float) -> None:
     for part in parts:
         if part.child is not None:
             part.child.wait_stopped(deadline)
-        for pgid in part.groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+        kill_groups(part.groups)

@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import textwrap
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -19,14 +20,13 @@ from urllib.parse import urlsplit
 
 from kvtier import logs
 from kvtier.errors import ConfigError
-from kvtier.groups import stop_group
 from kvtier.httpjson import wait_models
-from kvtier.launch.children import die_with_parent
 from kvtier.launch.summary import say, tiers_line
 from kvtier.ports import wait_bindable
+from kvtier.processes import log_tail, spawn, stop_group
 
 if TYPE_CHECKING:
-    from kvtier.launch.serve import ServePlan
+    from kvtier.launch.plan import ServePlan
 
 READY_TIMEOUT_S = 900.0
 ORPHAN_GRACE_S = 5.0
@@ -85,9 +85,7 @@ def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
 
     env = {**os.environ, **(DEV_MODE_ENV if demo else {})}
     # a session of its own: stopping it stops its group (the EngineCore with the API server)
-    child = subprocess.Popen(plan.cmd, env=env, preexec_fn=die_with_parent,
-                             start_new_session=True,
-                             stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
+    child = spawn(plan.cmd, out=log_file, env=env)
     stopping = _forward_signals(child)
     where = f"; its log: {plan.log_file}" if plan.log_file else ""
     say(f"kvtier serve: starting vLLM on {plan.model}{where}")
@@ -98,7 +96,8 @@ def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
         rc = _stop(child)
         if not stopping:
             say(f"kvtier serve: vLLM did not come up (exit status {rc})"
-                + (f"; the end of {plan.log_file}:\n{_tail(plan.log_file)}"
+                + (f"; the end of {plan.log_file}:\n"
+                   f"{textwrap.indent(log_tail(plan.log_file, 15), '    ')}"
                    if plan.log_file else ""))
             return 1
         return 0
@@ -152,10 +151,3 @@ def _stop(child: subprocess.Popen[bytes]) -> int:
     of it, also when the API server has exited; SIGKILL after STOP_TIMEOUT_S."""
     return stop_group(child, STOP_TIMEOUT_S, leader_first=True)
 
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_bytes()[-32 * 1024:].decode(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join("    " + line for line in text.splitlines()[-lines:])

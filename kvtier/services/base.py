@@ -16,6 +16,7 @@ States, as tests drive them to simulate outages::
 
 from __future__ import annotations
 
+import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -24,8 +25,8 @@ from types import TracebackType
 from typing import Self
 
 from kvtier.errors import ServiceError, ServiceStartError
+from kvtier.processes import Child, wait_ready
 from kvtier.services.lifetime import make_workdir, remove_workdir, track, untrack
-from kvtier.services.process import ManagedProcess
 
 _BIND_FAILURE = "address already in use"
 
@@ -44,7 +45,7 @@ class Service(ABC):
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.die_with_parent = die_with_parent
-        self._process: ManagedProcess | None = None
+        self._process: Child | None = None
         self._started_once = False
         self._closed = False
 
@@ -101,12 +102,12 @@ class Service(ABC):
             try:
                 self._wait_until_answering(process)
             except _PortTaken:
-                process.stop(self.stop_timeout_s)
+                process.stop(self.stop_timeout_s, leader_first=False)
                 self._after_stop()
                 if self._started_once or attempt == self.start_attempts or not self._new_ports():
                     raise ServiceStartError(
                         f"{self.kind}: a port is taken ({self._where()}); "
-                        f"{process.describe()}") from None
+                        f"{_describe(process)}") from None
                 continue
             self._started_once = True
             return self
@@ -122,12 +123,12 @@ class Service(ABC):
 
     @property
     def log_path(self) -> Path | None:
-        return self._process.log_path if self._process is not None else None
+        return self._process.log if self._process is not None else None
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``stop_timeout_s``; keeps the data for a later start."""
         if self._process is not None:
-            self._process.stop(self.stop_timeout_s)
+            self._process.stop(self.stop_timeout_s, leader_first=False)
         self._after_stop()
 
     def restart(self) -> Self:
@@ -142,11 +143,11 @@ class Service(ABC):
     def pause(self) -> None:
         """SIGSTOP: connections stay open and nothing answers (a hung server)."""
         if self._process is not None:
-            self._process.pause()
+            self._process.signal_group(signal.SIGSTOP)
 
     def resume(self) -> None:
         if self._process is not None:
-            self._process.resume()
+            self._process.signal_group(signal.SIGCONT)
 
     def close(self) -> None:
         """Stop and remove the working folder (when this service made it)."""
@@ -161,7 +162,7 @@ class Service(ABC):
                 remove_workdir(self.workdir)
 
     def log_tail(self, lines: int = 20) -> str:
-        return self._process.log_tail(lines) if self._process is not None else "(not started)"
+        return self._process.tail(lines) if self._process is not None else "(not started)"
 
     def __enter__(self) -> Self:
         return self.start()
@@ -176,33 +177,33 @@ class Service(ABC):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _spawn(self) -> ManagedProcess:
+    def _spawn(self) -> Child:
         argv = self._command()
-        process = ManagedProcess(
-            self.kind, argv, log_path=self.workdir / f"{self.kind}.log", cwd=self.workdir,
-            env=self._environment(), die_with_parent=self.die_with_parent)
+        try:
+            process = Child.start(
+                self.kind, argv, self.workdir / f"{self.kind}.log", env=self._environment(),
+                cwd=self.workdir, header=f"--- {time.strftime('%H:%M:%S')} start {self.kind}\n",
+                death_signal=signal.SIGKILL if self.die_with_parent else None)
+        except OSError as exc:
+            raise ServiceStartError(f"{self.kind}: cannot run {argv[0]}: {exc}") from exc
         self._process = process
-        process.spawn()
         return process
 
-    def _wait_until_answering(self, process: ManagedProcess) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            if not process.running:
-                if _bind_failed(process.log_since_start()):
-                    raise _PortTaken
-                self._after_stop()
-                raise ServiceStartError(
-                    f"{self.kind} at {self._where()} exited while starting; {process.describe()}")
-            if self._answers():
-                return
-            if time.monotonic() > deadline:
-                process.stop(self.stop_timeout_s)
-                self._after_stop()
-                raise ServiceStartError(
-                    f"{self.kind} at {self._where()} did not answer within "
-                    f"{self.start_timeout_s:g} s; {process.describe()}")
-            time.sleep(0.05)
+    def _wait_until_answering(self, process: Child) -> None:
+        if wait_ready(self._answers, timeout_s=self.start_timeout_s,
+                      alive=lambda: process.running, every_s=0.05):
+            return
+        if not process.running:
+            if _bind_failed(process.output()):
+                raise _PortTaken
+            self._after_stop()
+            raise ServiceStartError(
+                f"{self.kind} at {self._where()} exited while starting; {_describe(process)}")
+        process.stop(self.stop_timeout_s, leader_first=False)
+        self._after_stop()
+        raise ServiceStartError(
+            f"{self.kind} at {self._where()} did not answer within "
+            f"{self.start_timeout_s:g} s; {_describe(process)}")
 
 
 class _PortTaken(Exception):
@@ -211,3 +212,11 @@ class _PortTaken(Exception):
 
 def _bind_failed(log: str) -> bool:
     return _BIND_FAILURE in log.lower()
+
+
+def _describe(process: Child) -> str:
+    """Command line and log tail, for error messages (never the environment)."""
+    status = process.returncode()
+    state = "running" if status is None else f"exited with status {status}"
+    return (f"{process.name} ({' '.join(process.argv)}) {state}; log {process.log}, last lines:\n"
+            f"{process.tail()}")

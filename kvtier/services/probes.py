@@ -1,26 +1,11 @@
-"""Quick "does it answer?" probes used while a service starts (standard library only)."""
+"""The loopback address every local service binds, and the Redis probe used while one starts
+(HTTP services are probed with :func:`kvtier.httpjson.http_status`)."""
 
 from __future__ import annotations
 
-import http.client
 import socket
 
-from kvtier.services.ports import HOST
-
-
-def http_status(port: int, path: str = "/", *, method: str = "GET",
-                timeout_s: float = 1.0) -> int | None:
-    """The HTTP status that ``HOST:port`` answers for ``path``; None if nothing answers."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
-    try:
-        conn.request(method, path)
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
+HOST = "127.0.0.1"
 
 
 def redis_reply(port: int, *, timeout_s: float = 1.0) -> bytes | None:

@@ -14,10 +14,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 from kvtier.errors import ConfigError
+from kvtier.ports import free_ports
 from kvtier.services.base import Service
 from kvtier.services.binaries import REDIS_SERVER, find_binary
-from kvtier.services.ports import HOST, pick_ports
-from kvtier.services.probes import redis_reply
+from kvtier.services.probes import HOST, redis_reply
 
 EVICTION_POLICIES = ("noeviction", "allkeys-lru", "allkeys-lfu", "allkeys-random",
                      "volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl")
@@ -39,7 +39,7 @@ class RedisServer(Service):
         super().__init__(workdir=workdir, start_timeout_s=start_timeout_s,
                          stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
         self._fixed_port = port is not None
-        self.port = port if port is not None else pick_ports(1)[0]
+        self.port = port if port is not None else free_ports(1)[0]
         self.password = password
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
@@ -85,7 +85,7 @@ class RedisServer(Service):
     def _new_ports(self) -> bool:
         if self._fixed_port:
             return False
-        self.port = pick_ports(1)[0]
+        self.port = free_ports(1)[0]
         return True
 
 

@@ -19,11 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
+from kvtier.httpjson import http_status
+from kvtier.ports import free_ports
 from kvtier.services.base import Service
 from kvtier.services.binaries import WEED, find_binary
 from kvtier.services.lifetime import remove_weed_sockets, write_ports
-from kvtier.services.ports import HOST, pick_ports
-from kvtier.services.probes import http_status
+from kvtier.services.probes import HOST
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class SeaweedPorts:
 
     @classmethod
     def pick(cls) -> SeaweedPorts:
-        return cls(*pick_ports(len(fields(cls))))
+        return cls(*free_ports(len(fields(cls))))
 
     def flags(self) -> list[str]:
         return [
@@ -131,8 +132,9 @@ class SeaweedFS(Service):
     def _answers(self) -> bool:
         # S3 answers an anonymous request (403 with credentials enforced); the filer serves
         # its root; both come up last in weed mini.
-        return (http_status(self.ports.s3) is not None
-                and http_status(self.ports.filer, "/", method="HEAD") is not None)
+        return (http_status(f"http://{HOST}:{self.ports.s3}/", timeout_s=1.0) is not None
+                and http_status(f"http://{HOST}:{self.ports.filer}/", method="HEAD",
+                                timeout_s=1.0) is not None)
 
     def _where(self) -> str:
         return f"S3 {self.endpoint}, filer {self.filer_address}, data {self.data_dir}"

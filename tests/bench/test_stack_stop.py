@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.bench import stacks
 from kvtier.bench.stacks import ProcSpec, StackEnv, free_port, launch
-from kvtier.groups import group_members, stop_group
+from kvtier.processes import Child, alive, group_members, stop_group
 
 # the parent starts a child in its own group and exits at once; the child sleeps on
 _ORPHANING = """
@@ -65,25 +65,17 @@ def test_a_stack_that_exits_before_it_is_ready_leaves_no_process(tmp_path: Path)
         launch(env, [spec], port)
     child = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 5
-    while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+    while alive(child):
         assert time.monotonic() < deadline, "the orphaned child is still running"
         time.sleep(0.05)
 
 
 def test_stopping_a_stack_whose_leader_died_stops_its_children(tmp_path: Path) -> None:
     popen = _leader_gone_child_left(tmp_path)
-    stack = stacks.Stack("http://127.0.0.1:1", [stacks.Proc("engine", popen,
-                                                             tmp_path / "log")], 10.0)
+    stack = stacks.Stack("http://127.0.0.1:1", [Child("engine", popen, tmp_path / "log")], 10.0)
     assert not stack.alive()
     stack.stop()
     assert group_members(popen.pid) == []
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_kvtier_serve_stops_what_vllm_left_when_it_died_before_ready(tmp_path: Path) -> None:
@@ -102,4 +94,4 @@ def test_kvtier_serve_stops_what_vllm_left_when_it_died_before_ready(tmp_path: P
             signal.signal(sig, handler)
     assert rc == 1, "vLLM did not come up"
     child = int((tmp_path / "child.pid").read_text())
-    assert _state(child) in ("Z", "gone"), "its orphan was stopped with its group"
+    assert not alive(child), "its orphan was stopped with its group"

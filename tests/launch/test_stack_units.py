@@ -14,11 +14,11 @@ from launch_helpers import GiB, options, parse
 from kvtier.cli import has_command, main
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError
-from kvtier.launch.children import Child, group_members, stop_all
 from kvtier.launch.front import check_router, router_argv
 from kvtier.launch.shared_spec import shared_tier
 from kvtier.launch.stack_options import StackOptions
 from kvtier.launch.summary import tiers_line
+from kvtier.processes import Child, group_members, stop_all
 from kvtier.tiers import TIERS
 
 # ---------------------------------------------------------------------- the shared tier
@@ -144,7 +144,7 @@ def test_stopping_a_child_leaves_nothing_in_its_group(tmp_path: Path) -> None:
 
 
 def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
-    code = ("import sys, time; from pathlib import Path; from kvtier.launch.children import "
+    code = ("import sys, time; from pathlib import Path; from kvtier.processes import "
             "Child; c = Child.start('s', ['sleep', '300'], Path(sys.argv[1])); "
             "print(c.pid, flush=True); time.sleep(300)")
     parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s.log")],

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import pytest
 
 from kvtier.services import RedisServer, SeaweedFS, SeaweedMount
-from kvtier.services.baselines import measure_fs, measure_redis, measure_s3
+
+from .baselines import measure_fs, measure_redis, measure_s3
 
 pytestmark = pytest.mark.services
 

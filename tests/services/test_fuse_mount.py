@@ -1,5 +1,5 @@
 """A SeaweedFS FUSE mount as the shared volume: several processes and mounts, and what a hung or
-dead mount does to the processes using it (kvtier.services.hangprobe runs the calls in child
+dead mount does to the processes using it (tests/services/hangprobe.py runs the calls in child
 processes, so a stuck call never stalls the test itself)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 
 from kvtier.errors import ServiceMissing
 from kvtier.services import SeaweedFS, SeaweedMount
-from kvtier.services.hangprobe import collect, start_ops
 from kvtier.services.mounts import check_fuse
 
 from . import fs_worker
+from .hangprobe import collect, start_ops
 
 pytestmark = pytest.mark.services
 WORKER = Path(fs_worker.__file__)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.ports import free_ports, port_free
 from kvtier.processes import alive
 from kvtier.services import SeaweedFS
 from kvtier.services.lifetime import PORTS_FILE, PREFIX, sweep_stale
 from kvtier.services.mounts import is_mounted
-from kvtier.services.ports import pick_ports, port_in_use
 
 pytestmark = pytest.mark.services
 
@@ -78,7 +78,7 @@ def test_the_sweep_removes_weed_sockets_of_dead_owners_only() -> None:
     tmp = Path(tempfile.gettempdir())
     stale = Path(tempfile.mkdtemp(prefix=f"{PREFIX}seaweedfs-{dead.pid}-"))
     live = Path(tempfile.mkdtemp(prefix=f"{PREFIX}seaweedfs-{os.getpid()}-"))
-    port = pick_ports(1)[0]
+    port = free_ports(1)[0]
     (stale / PORTS_FILE).write_text(str(port))
     sock = Path("/tmp") / f"seaweedfs-filer-grpc-{port}.sock"
     sock.touch()
@@ -92,6 +92,6 @@ def test_the_sweep_removes_weed_sockets_of_dead_owners_only() -> None:
 
 
 def test_picked_ports_are_free_distinct_loopback_and_never_repeated() -> None:
-    first, second = pick_ports(10), pick_ports(10)
+    first, second = free_ports(10), free_ports(10)
     assert len(set(first + second)) == 20
-    assert all(20000 <= p < 32768 and not port_in_use(p) for p in first + second)
+    assert all(20000 <= p < 32768 and port_free(p) for p in first + second)

@@ -106,9 +106,9 @@ def test_a_taken_port_is_replaced_before_the_first_start(
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        real = redis_server_module.pick_ports
+        real = redis_server_module.free_ports
         draws = iter([[taken]])
-        monkeypatch.setattr(redis_server_module, "pick_ports",
+        monkeypatch.setattr(redis_server_module, "free_ports",
                             lambda n: next(draws, None) or real(n))
         server = RedisServer()
         try:

@@ -18,8 +18,8 @@ import pytest
 from service_fixtures import ALLOW_MISSING
 
 from kvtier.errors import ConfigError, TierIOError
+from kvtier.ports import free_ports
 from kvtier.services import RedisServer
-from kvtier.services.ports import pick_ports
 from kvtier.tiers.redis import RedisTier
 
 from .conformance import key_of, read_back, sealed_chunk
@@ -159,7 +159,7 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
 
 def test_tls_with_a_ca_bundle_and_verification(make_redis: MakeRedis, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
-    (tls_port,) = pick_ports(1)
+    (tls_port,) = free_ports(1)
     server = make_redis(password=SECRET, extra_config={
         "tls-port": str(tls_port), "tls-cert-file": str(cert), "tls-key-file": str(key),
         "tls-ca-cert-file": str(cert), "tls-auth-clients": "no"})

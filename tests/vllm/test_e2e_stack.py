@@ -23,8 +23,8 @@ import pytest
 from stack_helpers import RunningStack, start_stack
 
 from kvtier.httpjson import get_json, get_text, post_json
-from kvtier.launch.children import group_members
 from kvtier.launch.summary import size
+from kvtier.processes import group_members
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -4,7 +4,7 @@ Each file operation runs in a child process, so a call that blocks in the kernel
 the child: the parent watches the clock, reports ``blocked`` past a deadline, and later sees
 whether (and how) the call returns once the mount is resumed, stopped or unmounted.
 
-    python -m kvtier.services.hangprobe [--block-s 5] [--wait-s 30] [--json FILE]
+    python tests/services/hangprobe.py [--block-s 5] [--wait-s 30] [--json FILE]
 
 runs every scenario against a fresh SeaweedFS and mount and prints one line per operation.
 """

@@ -4,7 +4,7 @@ The denominators for the shared tiers' performance ratios and the inputs of look
 boto3 PUT/GET throughput and HEAD latency against SeaweedFS S3, file I/O and stat() on a
 SeaweedFS FUSE mount, redis-py SET/GET and a 512-key EXISTS. Needs the ``shared`` extra.
 
-    python -m kvtier.services.baselines [--count 64] [--size 1MiB] [--json FILE]
+    python tests/services/baselines.py [--count 64] [--size 1MiB] [--json FILE]
 """
 
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""The one process module with real processes: zombies are neither alive nor group members,
+a paused group still stops on SIGTERM, groups a child started in sessions of their own are
+found and killed, readiness polling tells ready from exited from too late, and log tails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvtier.processes import (
+    Child,
+    alive,
+    child_groups,
+    group_members,
+    kill_groups,
+    log_tail,
+    spawn,
+    stop_group,
+    wait_ready,
+)
+
+
+def _zombie_of_a_group() -> subprocess.Popen[bytes]:
+    """A group leader that exited and is not reaped yet (only ``poll`` would reap it)."""
+    popen = spawn([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{popen.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "it never exited"
+        time.sleep(0.02)
+    return popen
+
+
+def test_a_zombie_is_neither_alive_nor_a_member_of_its_group() -> None:
+    popen = _zombie_of_a_group()
+    try:
+        assert os.getpgid(popen.pid) == popen.pid, "it still exists, as a zombie"
+        assert not alive(popen.pid)
+        assert group_members(popen.pid) == []
+    finally:
+        popen.wait(timeout=10)
+    assert alive(os.getpid()) and not alive(0) and not alive(-1)
+
+
+def test_a_paused_group_stops_on_sigterm_within_the_grace(tmp_path: Path) -> None:
+    child = Child.start("paused", [sys.executable, "-c", "import time; time.sleep(300)"],
+                        tmp_path / "p.log")
+    child.signal_group(signal.SIGSTOP)
+    started = time.monotonic()
+    rc = stop_group(child.popen, 20.0)
+    assert rc == -signal.SIGTERM, "SIGTERM took effect (SIGCONT let it run), no SIGKILL"
+    assert time.monotonic() - started < 10
+    assert group_members(child.pid) == []
+
+
+def test_groups_a_child_started_are_found_and_killed(tmp_path: Path) -> None:
+    marker = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time\n"
+              "p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+              f"open({str(marker)!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(300)\n")
+    child = Child.start("parent", [sys.executable, "-c", script], tmp_path / "c.log")
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline, child.tail()
+            time.sleep(0.05)
+        grandchild = int(marker.read_text())
+        assert child_groups(child.pid) == {grandchild}
+        assert child_groups(grandchild) == set(), "a childless process started no group"
+        kill_groups({grandchild})
+        assert not alive(grandchild) and group_members(grandchild) == []
+        assert child.running, "only the noted group was killed"
+    finally:
+        child.kill()
+    assert group_members(child.pid) == [] and not child.running
+
+
+def test_wait_ready_tells_ready_from_exited_from_too_late() -> None:
+    answers = iter([None, "", "model-a"])
+    assert wait_ready(lambda: next(answers), timeout_s=5, every_s=0.01) == "model-a"
+    calls: list[int] = []
+    assert wait_ready(lambda: calls.append(1), timeout_s=5, alive=lambda: len(calls) < 3,
+                      every_s=0.01) is None
+    assert len(calls) == 3, "it stops asking once the process is gone"
+    started = time.monotonic()
+    assert wait_ready(lambda: False, timeout_s=0.2, every_s=0.05) is None
+    assert 0.2 <= time.monotonic() - started < 5
+
+
+def test_log_tail_gives_the_last_lines_within_the_last_bytes(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_bytes(b"".join(b"line %d\n" % i for i in range(1000)) + b"\xff bad utf-8\n")
+    assert log_tail(log, 3).splitlines() == ["line 998", "line 999", "\ufffd bad utf-8"]
+    assert len(log_tail(log, 1000, max_bytes=100)) <= 100
+    assert log_tail(tmp_path / "missing.log") == "(no log)"
+
+
+def test_a_childs_output_is_this_runs_only(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    log.write_text("an earlier run\n")
+    child = Child.start("echo", ["echo", "this run"], log, header="--- start echo\n")
+    assert child.popen.wait(timeout=30) == 0
+    assert child.output() == "--- start echo\nthis run\n"
+    assert child.tail(5) == "an earlier run\n--- start echo\nthis run"
+    assert child.argv == ("echo", "this run")
