@@ -60,7 +60,8 @@ from kvtier.store.integrity import check_store
 from kvtier.store.leases import LeaseTable
 from kvtier.store.loads import Loads
 from kvtier.store.locking import Hold, StoreLock
-from kvtier.store.lower import LowerTierState, record_use
+from kvtier.store.lower import LowerTierState
+from kvtier.store.placement import free_target, lower_source, record_use, servable_prefix
 from kvtier.store.promotions import Promotions
 from kvtier.store.records import Entry, LeaseRecord, Where
 from kvtier.store.scan import bounded_scan, newest_that_fit
@@ -122,9 +123,8 @@ class TieredStore:
         self.loads = Loads(self.index, self.leases, self.promotions, self.writes, self.tiers,
                            self.metrics)
         write_back = any(t.write_back for t in self.tiers)
-        # Freeing ahead of need only pays when freeing means a write (write-back).
         ac = config.arena
-        self._free_target = int(ac.free_target * ac.num_slots) if write_back else 0
+        self._free_target = free_target(ac.free_target, ac.num_slots, write_back)
         self._housekeeper = Housekeeper(self.tiers, self.apply, self.clock, self.instance)
         self._closed = False
         self.sharing: dict[str, Sharing] = {}
@@ -242,13 +242,7 @@ class TieredStore:
 
     def _prefix(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, str]]:
         """The longest servable prefix of ``keys``, each with its tier (lock held)."""
-        prefix: list[tuple[ChunkKey, str]] = []
-        for key in keys:
-            tier = self._servable(key)
-            if tier is None:
-                break
-            prefix.append((key, tier))
-        return prefix
+        return servable_prefix(keys, self._servable)
 
     def _servable(self, key: ChunkKey) -> str | None:
         """Where ``key`` can be leased from now (None: it cannot): the one predicate of
@@ -260,11 +254,8 @@ class TieredStore:
             if self.promotions.joinable(entry):
                 return entry.reading
             return None  # being written by a client, or a read that hangs
-        for state in self.tiers:  # a chunk over a slot was written by a server with bigger ones
-            size = state.sizes.get(key)
-            if size is not None and size <= state.fits_slot and state.available:
-                return state.name
-        return None
+        source = lower_source(self.tiers, key)
+        return None if source is None else source.name
 
     def _arrivals(self, tiers: list[str], now: float) -> list[float]:
         out: list[float] = []

@@ -15,7 +15,8 @@ from kvtier.keys import ChunkKey
 from kvtier.policies import DEFAULT_PRIORITY
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.leases import LeaseTable
-from kvtier.store.lower import LowerTierState, record_use
+from kvtier.store.lower import LowerTierState
+from kvtier.store.placement import record_use
 from kvtier.store.promotions import Promotions
 from kvtier.store.records import Entry, ItemState, LeaseItem, LeaseRecord, Where
 from kvtier.store.writes import Writes

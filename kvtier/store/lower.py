@@ -1,9 +1,10 @@
 """The store's books for one tier below the arena, and what serves it.
 
-The tier object itself only stores bytes; this record owns what the store decides with: which
-chunks the tier holds and their sizes, the bytes in use and promised to writes in flight, the
-eviction policy, the admission rules, the I/O pool, the circuit breaker and the read-speed
-estimate::
+The tier object itself only stores bytes; this record owns what serves it (the I/O pool, the
+circuit breaker, the read-speed estimate, the namespace of each chunk) and the tier's
+placement books (:class:`~kvtier.store.placement.TierBooks`: which chunks it holds and their
+sizes, the bytes in use and promised to writes in flight, the eviction policy, the admission
+rules), which decide what the store does with it::
 
     used + reserved <= configured capacity         (checked by check_integrity)
     keys(sizes) == keys(policy)                    (every held chunk is evictable bookkeeping)
@@ -32,17 +33,12 @@ from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
-from kvtier.policies import (
-    AdmissionContext,
-    EvictionPolicy,
-    admits,
-    make_admission,
-    make_eviction,
-)
+from kvtier.policies import AdmissionPolicy, EvictionPolicy
 from kvtier.store.breaker import CircuitBreaker, OnChange
 from kvtier.store.estimate import ReadEstimate
 from kvtier.store.events import REMOVED, STORED, EventLog
 from kvtier.store.iopool import IOPool
+from kvtier.store.placement import TierBooks
 from kvtier.tiers import TIERS, LowerTier, Space
 from kvtier.tiers.base import StoredChunk
 
@@ -63,12 +59,6 @@ class Journal(Protocol):
     def used(self, key: ChunkKey, namespace: bytes) -> None: ...
 
 
-def record_use(tiers: Iterable[LowerTierState], key: ChunkKey) -> None:
-    """One use of ``key`` (a reserve or a lease), for every tier's admission rules."""
-    for state in tiers:
-        state.record_use(key)
-
-
 class LowerTierState:
     def __init__(self, config: TierConfig, chunk_bytes_hint: int, clock: Callable[[], float],
                  on_breaker_change: OnChange, tier: LowerTier | None = None,
@@ -79,29 +69,22 @@ class LowerTierState:
         self.tier = tier or TIERS[config.type].from_config(config.name, config)
         self.clock = clock
         self.configured = config.capacity_bytes
-        self.capacity = config.capacity_bytes
         self.chunk_bytes_hint = chunk_bytes_hint
-        self.fits_slot = self.tier.footprint(chunk_bytes_hint)
-        """The largest size in the books of a chunk an arena slot (``chunk_bytes_hint``) can
-        take; a larger one was written by a server with bigger slots."""
         self.smallest = self.tier.footprint(HEADER_SIZE + PAGE)
         self.implausible = 0
         """Chunks a listing found with a size no chunk here can have (left out)."""
         self.write_back = config.write_policy == "back"
-        entries = max(1, self.capacity // max(1, chunk_bytes_hint))
-        self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, entries)
-        self.admission = make_admission(config.admission)
-        self.sizes: dict[ChunkKey, int] = {}
+        self.breaker = CircuitBreaker(config.breaker, clock, on_breaker_change)
+        self.books = TierBooks(
+            self.name, config.capacity_bytes, config.eviction,
+            max(1, config.capacity_bytes // max(1, chunk_bytes_hint)), config.admission,
+            write_back=self.write_back, fits_slot=self.tier.footprint(chunk_bytes_hint),
+            available=self.breaker.allows)
+        """Placement: what the tier holds, its eviction order and admission rules."""
         self.namespaces: dict[ChunkKey, bytes] = {}
         """The namespace of each held chunk (shared tiers file chunks under it)."""
         self._interned: dict[bytes, bytes] = {}
-        self.deleting: set[ChunkKey] = set()
-        """Keys whose delete is queued; not written again until it ran (the tier contract:
-        never a write and a delete of one key at once)."""
-        self.used = 0
-        self.reserved = 0
         self.pool = IOPool(self.name, config.io_threads, config.io_timeout_s, clock)
-        self.breaker = CircuitBreaker(config.breaker, clock, on_breaker_change)
         self.reads = ReadEstimate()
         self.limited_by_filesystem = False
         self.full_until: float | None = None
@@ -116,7 +99,45 @@ class LowerTierState:
         self.sharing = journal
 
     def __contains__(self, key: object) -> bool:
-        return key in self.sizes
+        return key in self.books.sizes
+
+    # The books, read-only here: they change through the methods below.
+    @property
+    def sizes(self) -> dict[ChunkKey, int]:
+        return self.books.sizes  # type: ignore[return-value]
+
+    @property
+    def policy(self) -> EvictionPolicy[Hashable]:
+        return self.books.policy
+
+    @property
+    def admission(self) -> list[AdmissionPolicy]:
+        return self.books.admission
+
+    @property
+    def used(self) -> int:
+        return self.books.used
+
+    @property
+    def reserved(self) -> int:
+        return self.books.reserved
+
+    @property
+    def capacity(self) -> int:
+        return self.books.capacity
+
+    @property
+    def deleting(self) -> set[ChunkKey]:
+        """Keys whose delete is queued; not written again until it ran (the tier contract:
+        never a write and a delete of one key at once)."""
+        return self.books.deleting  # type: ignore[return-value]
+
+    @property
+    def fits_slot(self) -> int:
+        """The largest size in the books of a chunk an arena slot (``chunk_bytes_hint``) can
+        take; a larger one was written by a server with bigger slots."""
+        assert self.books.fits_slot is not None
+        return self.books.fits_slot
 
     def plausible(self, size: int) -> bool:
         """Whether a chunk of ``size`` bytes (a listing's size, a peer's journal record)
@@ -150,11 +171,10 @@ class LowerTierState:
     # ------------------------------------------------------------------ admission, space
 
     def record_use(self, key: ChunkKey) -> None:
-        for rule in self.admission:
-            rule.record(key)
+        self.books.record_use(key)
 
     def admits(self, key: ChunkKey, priority: int, prefix_tokens: int) -> bool:
-        return admits(self.admission, AdmissionContext(key, priority, prefix_tokens))
+        return self.books.admits(key, priority, prefix_tokens)
 
     def make_room(self, size: int, protected: Callable[[Hashable], bool]
                   ) -> list[tuple[ChunkKey, bytes]] | None:
@@ -165,32 +185,26 @@ class LowerTierState:
         unprotected chunk (nothing is evicted then). Walks the eviction order lazily: the
         cost is the victims, not the tier's size.
         """
-        if size > self.capacity:
+        chosen = self.books.make_room(size, protected)
+        if chosen is None:
             return None
-        need = self.used + self.reserved + size - self.capacity
         victims: list[tuple[ChunkKey, bytes]] = []
-        if need > 0:
-            chosen = self.policy.evict_bytes(need, self._size_of, protected)
-            if chosen is None:
-                return None
-            for raw in chosen:
-                key = ChunkKey(raw)  # type: ignore[arg-type]
-                self.used -= self.sizes.pop(key)
-                victims.append((key, self.namespaces.pop(key)))
-                self._event(REMOVED, victims[-1][1], key)
-        self.reserved += size
+        for raw in chosen:
+            key = ChunkKey(raw)  # type: ignore[arg-type]
+            victims.append((key, self.namespaces.pop(key)))
+            self._event(REMOVED, victims[-1][1], key)
         return victims
 
     def touch(self, key: ChunkKey) -> None:
         """A use of a held chunk (a lease here, a peer's hit): later in the eviction order."""
-        self.policy.touch(key)
+        self.books.touch(key)
 
     def set_priority(self, key: ChunkKey, priority: int) -> None:
-        self.policy.set_priority(key, priority)
+        self.books.set_priority(key, priority)
 
     def release(self, promised: int) -> None:
         """A write promised ``promised`` bytes by :meth:`make_room` stored nothing."""
-        self.reserved -= promised
+        self.books.release(promised)
 
     def stored(self, key: ChunkKey, size: int, promised: int, priority: int,
                namespace: bytes) -> None:
@@ -201,15 +215,15 @@ class LowerTierState:
 
     def mark_deleting(self, key: ChunkKey) -> None:
         """A delete of ``key`` (already out of the books) is queued: no write until it ran."""
-        self.deleting.add(key)
+        self.books.mark_deleting(key)
 
     def clear_deleting(self, key: ChunkKey) -> None:
         """The queued delete of ``key`` failed or was given up (it may be queued again)."""
-        self.deleting.discard(key)
+        self.books.clear_deleting(key)
 
     def deleted(self, key: ChunkKey, namespace: bytes) -> None:
         """The queued delete of ``key`` ran: told to the journal."""
-        self.deleting.discard(key)
+        self.books.clear_deleting(key)
         if self.sharing is not None:
             self.sharing.deleted(key, namespace)
 
@@ -239,20 +253,14 @@ class LowerTierState:
         """The rescan failed or was given up: try again once the tier is available."""
         self.rescan = True
 
-    def _size_of(self, key: Hashable) -> int:
-        return self.sizes[key]  # type: ignore[index]
-
     def added(self, key: ChunkKey, size: int, promised: int, priority: int,
               namespace: bytes, parent: ChunkKey | None = None) -> None:
         """A write of ``key`` finished: account it and make it evictable (``parent``: the
         chunk before it in its prefix chain, a policy hint, when the caller knows it)."""
-        self.reserved -= promised
-        if key in self.sizes:  # indexed meanwhile (e.g. found by a listing)
+        if key in self.books:  # indexed meanwhile (e.g. found by a listing)
             self.forget(key)
-        self.sizes[key] = size
+        self.books.add(key, size, promised, priority, parent)
         self.namespaces[key] = self._interned.setdefault(namespace, namespace)
-        self.used += size
-        self.policy.insert(key, priority, parent)
         self._event(STORED, namespace, key)
 
     def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
@@ -261,11 +269,8 @@ class LowerTierState:
 
     def forget(self, key: ChunkKey) -> bytes | None:
         """Drop ``key`` from the books (deleted, corrupt, missing); returns its namespace."""
-        size = self.sizes.pop(key, None)
-        if size is None:
+        if not self.books.forget(key):
             return None
-        self.used -= size
-        self.policy.remove(key)
         namespace = self.namespaces.pop(key)
         self._event(REMOVED, namespace, key)
         return namespace
@@ -303,7 +308,7 @@ class LowerTierState:
             log.info("tier %s: the filesystem has room again; capacity back to %d bytes",
                      self.name, self.configured)
         self.limited_by_filesystem = limited
-        self.capacity = limit
+        self.books.set_capacity(limit)
 
     def _full_backend(self) -> None:
         if self.full_until is None:
@@ -311,23 +316,21 @@ class LowerTierState:
                         "%d to %d bytes for %g s (older chunks are evicted to make room)",
                         self.name, self.capacity, self.used, FULL_COOL_DOWN_S)
         self.full_until = self.clock() + FULL_COOL_DOWN_S
-        self.capacity = min(self.capacity, self.used)
+        self.books.set_capacity(min(self.capacity, self.used))
 
     def cool_down(self) -> None:
         """Give a tier that refused a write as full (no ``space()``) its capacity back once
         ``FULL_COOL_DOWN_S`` passed without another refusal."""
         if self.full_until is not None and self.clock() >= self.full_until:
             self.full_until = None
-            self.capacity = self.configured
+            self.books.set_capacity(self.configured)
             log.info("tier %s: capacity back to %d bytes (no write refused as full for %g s)",
                      self.name, self.configured, FULL_COOL_DOWN_S)
 
     def check_integrity(self) -> None:
-        if (set(self.sizes) != set(self.policy.order())
-                or self.sizes.keys() != self.namespaces.keys()):
-            raise IntegrityError(f"tier {self.name}: index and eviction policy disagree")
-        if self.used != sum(self.sizes.values()):
-            raise IntegrityError(f"tier {self.name}: used bytes {self.used} != sum of sizes")
+        self.books.check_integrity()
+        if self.sizes.keys() != self.namespaces.keys():
+            raise IntegrityError(f"tier {self.name}: index and namespaces disagree")
         over = self.used + self.reserved > self.configured and self.sharing is None
         if over or self.reserved < 0:  # a shared tier's books also hold others' writes
             raise IntegrityError(

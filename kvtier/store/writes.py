@@ -31,6 +31,7 @@ from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.iopool import Job
 from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
+from kvtier.store.placement import Refusal, free_ahead, make_slot, write_targets
 from kvtier.store.records import Entry, Where
 
 if TYPE_CHECKING:
@@ -61,29 +62,23 @@ class Writes:
 
     def take(self, key: ChunkKey, where: Where, priority: int) -> Entry | None:
         """A slot for ``key``, evicting from the arena as needed; ``None``: no room now."""
-        entry = self.index.take(key, where, priority)
-        while entry is None:
-            victim = self.index.victim()
-            if victim is None:
-                return None
-            if not self.evict(victim):
-                return None  # written back first: one victim per slot, not the whole arena
-            entry = self.index.take(key, where, priority)
-        return entry
+        if not make_slot(self._slot_free, self.index.victim, self.evict):
+            return None
+        return self.index.take(key, where, priority)
+
+    def _slot_free(self) -> bool:
+        return self.index.free_slots > 0
 
     def free_ahead(self, target: int) -> None:
         """Keep ``target`` slots free or on their way to free (write-back ahead)."""
-        while self.index.free_slots + self.demoting < target:
-            victim = self.index.victim()
-            if victim is None:
-                return
-            self.evict(victim)
+        free_ahead(lambda: self.index.free_slots + self.demoting < target, self.index.victim,
+                   self.evict)
 
     # ------------------------------------------------------------------ deciding
 
     def through(self, entry: Entry) -> None:
         """Copy a READY chunk to the write-through tiers that want it."""
-        targets = [s for s in self.tiers if not s.write_back and self.wants(s, entry)]
+        targets = self.targets(entry, back=False)
         if targets:
             self.index.rescue(entry)
             self.submit(entry, targets)
@@ -91,7 +86,7 @@ class Writes:
     def back_all(self) -> None:
         """Copy every arena chunk to the write-back tiers that want it (graceful close)."""
         for entry in list(self.index.ready()):
-            targets = [s for s in self.tiers if s.write_back and self.wants(s, entry)]
+            targets = self.targets(entry, back=True)
             if targets:
                 self.submit(entry, targets)
 
@@ -101,7 +96,7 @@ class Writes:
         Returns whether its slot is free now (after a write-back it is freed later).
         """
         self._arena_evictions.inc()
-        targets = [s for s in self.tiers if s.write_back and self.wants(s, entry)]
+        targets = self.targets(entry, back=True)
         if targets:
             self.index.start_demotion(entry)
             self.demoting += 1
@@ -112,17 +107,16 @@ class Writes:
             self.index.drop(entry)
         return entry.key not in self.index.entries
 
-    def wants(self, state: LowerTierState, entry: Entry) -> bool:
-        key = entry.key
-        if key in state or key in state.deleting or state.name in entry.writing:
-            return False  # held, or its delete is queued: a write racing it could be lost
-        if not state.available:
-            self.metrics.admission_refusals.labels(state.name, "breaker_open").inc()
-            return False
-        if not state.admits(key, entry.priority, entry.prefix_tokens):
-            self.metrics.admission_refusals.labels(state.name, "policy").inc()
-            return False
-        return True
+    def targets(self, entry: Entry, back: bool) -> list[LowerTierState]:
+        """The write-back (``back``) or write-through tiers a copy of ``entry`` goes to
+        (:func:`~kvtier.store.placement.write_targets`); refusals are counted."""
+        return write_targets([s for s in self.tiers if s.write_back == back], entry.key,
+                             lambda s: s.name in entry.writing, entry.priority,
+                             entry.prefix_tokens, refused=self._refused)
+
+    def _refused(self, state: LowerTierState, why: Refusal) -> None:
+        if why != "held":
+            self.metrics.admission_refusals.labels(state.name, why).inc()
 
     def submit(self, entry: Entry, targets: list[LowerTierState]) -> None:
         size = stored_size(entry.payload_len)

@@ -1,8 +1,11 @@
-"""Replay a trace through the store's tier rules and the very policy classes it runs.
+"""Replay a trace through the store's placement core (:mod:`kvtier.store.placement`).
 
-Metadata only: a tier is an :class:`~kvtier.policies.EvictionPolicy` (which also serves as
-its index), a capacity in chunks, admission rules and a write policy. One trace block is one
-chunk at the default priority (35). Per request with blocks ``b0 .. bn-1``, in the steps of
+Metadata only: a tier is the store's :class:`~kvtier.store.placement.TierBooks` (its eviction
+policy, which also serves as the host's index, admission rules, sizes), a capacity in chunks
+and a write policy. One trace block is one chunk of size 1 at the default priority (35). Every
+decision (servable prefix, admission, write targets, victims, one victim per host slot, free
+ahead) is the placement core's, as in the store; this module only sequences the steps and
+lands each step's I/O when it ends. Per request with blocks ``b0 .. bn-1``, in the steps of
 :class:`~kvtier.store.TieredStore` an engine makes (``lease``, ``reserve``, ``commit``)::
 
     1 lookup   the prefix is b0, b1, ... while each block is in some tier; each is one
@@ -31,7 +34,8 @@ step that started it; here it completes when that step ends. Until then a copy h
 its tier but cannot be evicted or touched there, a chunk evicted from a lower tier is not
 written to it again (its delete is queued), and a write-back victim holds its host slot.
 ``tests/trace/test_trace_store_agreement.py`` replays traces through this and through a live
-store, flushed after each step, and compares them request by request.
+store, flushed after each step, and checks that the two sequences of steps match, request by
+request.
 
 So every block is one admission use per request (two where a lookup that found it had to
 end before it). Hits are counted per tier that served them; :mod:`kvtier.trace.hits` turns
@@ -40,20 +44,23 @@ them into ratios.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvtier.config import ArenaConfig
 from kvtier.errors import ConfigError
-from kvtier.policies import (
-    DEFAULT_PRIORITY,
-    AdmissionContext,
-    AdmissionPolicy,
-    EvictionPolicy,
-    admits,
-    make_admission,
-    make_eviction,
+from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy
+from kvtier.store.placement import (
+    TierBooks,
+    free_ahead,
+    free_target,
+    lower_source,
+    make_slot,
+    record_use,
+    servable_prefix,
+    write_targets,
 )
 from kvtier.trace.formats import BlockId, Request
 from kvtier.trace.hits import HitCounts
@@ -62,6 +69,8 @@ from kvtier.trace.results import SimResult, TierResult, WritePolicy
 HOST = "host"
 UNBOUNDED_POLICY_CAPACITY = 1 << 40
 """What an ``inf`` tier tells its policy: ghost lists sized from it never fill."""
+UNBOUNDED_CHUNKS = 1 << 62
+"""The capacity of an ``inf`` tier's books: never reached."""
 DEFAULT_FREE_TARGET = ArenaConfig().free_target
 
 
@@ -89,27 +98,29 @@ class TierSpec:
 
 @dataclass
 class _Tier:
+    """A simulated tier: its placement books (the store's own, :mod:`kvtier.store.placement`),
+    counts, and the copies and deletes the current step started."""
+
     spec: TierSpec
-    policy: EvictionPolicy[Hashable]
-    rules: list[AdmissionPolicy]
-    records: bool
-    """True when some rule counts uses (the base ``record`` is a no-op we may skip)."""
+    books: TierBooks
     hits: int = 0
     written: int = 0
     evictions: int = 0
     writing: dict[Hashable, Hashable | None] = field(default_factory=dict)
     """Copies the current operation started, in order, with each chunk's chain parent; they
     land when it ends."""
-    deleting: set[Hashable] = field(default_factory=set)
-    """Chunks the current operation evicted from this lower tier: not written again until
-    their delete has run, when the operation ends (the store's ``TierState.deleting``)."""
 
     @classmethod
     def build(cls, spec: TierSpec) -> _Tier:
-        capacity = spec.capacity if spec.capacity is not None else UNBOUNDED_POLICY_CAPACITY
-        rules = make_admission(spec.admission)
-        records = any(type(r).record is not AdmissionPolicy.record for r in rules)
-        return cls(spec, make_eviction(spec.eviction, capacity), rules, records)
+        entries = spec.capacity if spec.capacity is not None else UNBOUNDED_POLICY_CAPACITY
+        capacity = spec.capacity if spec.capacity is not None else UNBOUNDED_CHUNKS
+        books = TierBooks(spec.name, capacity, spec.eviction, entries, spec.admission,
+                          write_back=spec.write == "back")
+        return cls(spec, books)
+
+    @property
+    def policy(self) -> EvictionPolicy[Hashable]:
+        return self.books.policy
 
 
 @dataclass
@@ -150,9 +161,12 @@ class Simulator:
         self.tiers = [_Tier.build(s) for s in specs]
         self.host = self.tiers[0]
         self.lower = self.tiers[1:]
+        self.by_name = {t.spec.name: t for t in self.lower}
         self.through = [t for t in self.lower if t.spec.write == "through"]
         self.back = [t for t in self.lower if t.spec.write == "back"]
-        self.recorders = [t for t in self.lower if t.records]
+        self.recorders = [t for t in self.lower if t.books.counts_uses]
+        self.rules = any(t.books.admission for t in self.lower)
+        """Some lower tier has admission rules (they see ``admission_key`` of a block)."""
         self.counts = HitCounts()
         self._depth: dict[Hashable, tuple[int, Hashable | None]] = {}
         """Block index in its request (for write-back admission) and chain parent; kept
@@ -161,8 +175,8 @@ class Simulator:
         """Host victims being written back: their slots are free once the step ends, unless
         (True) a write-through copy started meanwhile still reads them: then they stay."""
         capacity = self.host.spec.capacity
-        self._free_target = int(self.host.spec.free_target * capacity) \
-            if self.back and capacity is not None else 0
+        self._free_target = 0 if capacity is None else free_target(
+            self.host.spec.free_target, capacity, bool(self.back))
 
     def replay(self, requests: Iterable[Request]) -> SimResult:
         start = time.perf_counter()
@@ -177,26 +191,33 @@ class Simulator:
         self.counts.add(request, len(served))
         return served
 
+    def _servable(self, block: Hashable) -> str | None:
+        """The store's predicate with every step's I/O landed: host, else a lower tier."""
+        if block in self.host.books.policy:
+            return HOST
+        source = lower_source(self.lower, block)
+        return None if source is None else source.spec.name
+
     def _load(self, blocks: tuple[BlockId, ...]) -> list[str]:
         """Serve the present prefix as the store's ``lease`` does: the serving tier of each
         block, head first."""
-        prefix = self._present_prefix(blocks)
-        host = self.host.policy
-        lease = _Lease(held={b for b in blocks[:prefix] if b in host})
+        found = servable_prefix(blocks, self._servable)
+        prefix = len(found)
+        lease = _Lease(held={b for b, tier in found if tier == HOST})
         sources = lease.reading
-        for j in range(prefix):
-            block = blocks[j]
-            if block in lease.held:
+        room = self._room(lease, lambda: len(sources))
+        for j, (block, tier) in enumerate(found):
+            if tier == HOST:
                 continue
-            source = next((t for t in self.lower if block in t.policy), None)
-            if source is None or not self._host_room(lease, pending=len(sources)):
+            if not room():
                 prefix = j  # no slot for it: the lease ends before this chunk
                 break
-            sources[block] = source
+            sources[block] = self.by_name[tier]
         if self.recorders:  # one use per leased chunk (a chunk cut off is offered later)
             for block in blocks[:prefix]:
-                self._record(block)
+                record_use(self.recorders, admission_key(block))
         served = [HOST] * prefix
+        host = self.host.books.policy
         for j in reversed(range(prefix)):  # tail first: the head ends most recent
             block = blocks[j]
             source = sources.get(block)
@@ -205,34 +226,29 @@ class Simulator:
                 self.host.hits += 1
                 self._write_through(blocks, j, lease)
             else:
-                source.policy.touch(block)
+                source.books.touch(block)
                 source.hits += 1
                 self._put_host(blocks, j)
                 served[j] = source.spec.name
         self._complete_io()
         return served
 
-    def _present_prefix(self, blocks: tuple[BlockId, ...]) -> int:
-        for j, block in enumerate(blocks):
-            if not any(block in t.policy for t in self.tiers):
-                return j
-        return len(blocks)
-
     def _store(self, blocks: tuple[BlockId, ...], start: int) -> None:
         """Blocks after the served prefix were recomputed: ``reserve`` then ``commit``."""
-        host = self.host.policy
+        host = self.host.books.policy
         lease = _Lease()  # nothing is leased now, but chunks being copied down stay put
         pending: list[int] = []
+        room = self._room(lease, pending.__len__)
         for j in range(start, len(blocks)):
             block = blocks[j]
             if self.recorders:
-                self._record(block)
+                record_use(self.recorders, admission_key(block))
             if block in host:
                 host.touch(block)
                 self._write_through(blocks, j, lease)
             elif block in self._demoting:  # still in its slot, on its way down: servable
                 self._demoting[block] = self._write_through(blocks, j, lease)
-            elif self._host_room(lease, pending=len(pending)):
+            elif room():
                 pending.append(j)
         self._complete_io()
         lease = _Lease()  # the reserve's copies have landed
@@ -245,103 +261,96 @@ class Simulator:
     def _write_through(self, blocks: tuple[BlockId, ...], index: int, lease: _Lease) -> bool:
         """Copy ``blocks[index]`` to each write-through tier that lacks and admits it; True
         if any copy was started."""
+        if not self.through:
+            return False
         started = False
         block = blocks[index]
-        for tier in self.through:
-            if (self._lacks(tier, block) and self._admits(tier, block, index)
-                    and self._insert(tier, block, _parent(blocks, index), lease)):
+        for tier in self._targets(self.through, block, index):
+            if self._insert(tier, block, _parent(blocks, index), lease):
                 lease.held.add(block)  # its slot is being read: the store pins it
                 started = True
         return started
 
-    @staticmethod
-    def _lacks(tier: _Tier, block: Hashable) -> bool:
-        """True if a copy of ``block`` may be started: not held, written or being deleted."""
-        return block not in tier.policy and block not in tier.writing \
-            and block not in tier.deleting
+    def _targets(self, tiers: list[_Tier], block: Hashable, index: int) -> list[_Tier]:
+        rule_key = admission_key(block) if self.rules else None
+        return write_targets(tiers, block, lambda t: block in t.writing, DEFAULT_PRIORITY,
+                             (index + 1) * self.block_tokens, rule_key)
 
     def _complete_io(self) -> None:
         """The copies the operation started land, in the order it started them, its deletes
         run and the slots of its write-back victims come free (the store's I/O finishes
         after the operation that started it)."""
         for tier in self.lower:
+            books = tier.books
             if tier.writing:
                 for block, parent in tier.writing.items():
-                    tier.policy.insert(block, DEFAULT_PRIORITY, parent)
+                    books.add(block, 1, 1, DEFAULT_PRIORITY, parent)
                 tier.writing.clear()
-            tier.deleting.clear()
+            for block in list(books.deleting):
+                books.clear_deleting(block)
         for block, still_read in self._demoting.items():
             if still_read:  # the store's _demoted: back into the host's eviction order
-                self.host.policy.insert(block, DEFAULT_PRIORITY, self._depth[block][1])
+                self.host.books.policy.insert(block, DEFAULT_PRIORITY, self._depth[block][1])
             else:
                 del self._depth[block]
         self._demoting.clear()
 
-    def _record(self, block: Hashable) -> None:
-        key = admission_key(block)
-        for tier in self.recorders:
-            for rule in tier.rules:
-                rule.record(key)
-
     def _put_host(self, blocks: tuple[BlockId, ...], index: int) -> None:
         block, parent = blocks[index], _parent(blocks, index)
-        self.host.policy.insert(block, DEFAULT_PRIORITY, parent)
+        self.host.books.policy.insert(block, DEFAULT_PRIORITY, parent)
         self.host.written += 1
         if self.back:
             self._depth[block] = (index, parent)
 
     def _insert(self, tier: _Tier, block: Hashable, parent: Hashable | None,
                 lease: _Lease) -> bool:
-        """Start a copy of ``block`` to lower ``tier`` if room can be made for it."""
-        if not self._lower_room(tier, lease):
+        """Start a copy of ``block`` to lower ``tier`` if room can be made for it (never
+        evicting a chunk the lease promotes from it)."""
+        reading = lease.reading
+        victims = tier.books.make_room(1, lambda b: reading.get(b) is tier)
+        if victims is None:
             return False
+        for victim in victims:  # its delete runs when the step ends
+            tier.books.mark_deleting(victim)
+        tier.evictions += len(victims)
         tier.writing[block] = parent
         tier.written += 1
         return True
 
-    def _lower_room(self, tier: _Tier, lease: _Lease) -> bool:
-        """Evict until one more chunk fits beside the copies under way; False (evicting
-        nothing more) if only chunks being promoted from this tier are left."""
-        capacity = tier.spec.capacity
-        if capacity is None:
-            return True
-        protected = _reading_from(tier, lease)
-        while len(tier.policy) + len(tier.writing) >= capacity:
-            victims = tier.policy.evict(1, protected)
-            if not victims:
-                return False
-            tier.evictions += 1
-            tier.deleting.add(victims[0])
-        return True
-
-    def _host_room(self, lease: _Lease, pending: int) -> bool:
-        """A free host slot beside ``pending`` ones held but not inserted yet, evicting one
-        unprotected victim at a time. False if none is left, or if a victim must be written
-        back first: its slot is free only once the copy is written, so the store refuses
-        rather than write back the whole host to find a clean chunk."""
+    def _room(self, lease: _Lease, pending: Callable[[], int]) -> Callable[[], bool]:
+        """A host slot beside the ``pending()`` ones held but not inserted yet (the store's
+        ``make_slot``): one unprotected victim at a time; none when a victim must be
+        written back first."""
         capacity = self.host.spec.capacity
         if capacity is None:
-            return True
-        while len(self.host.policy) + pending + len(self._demoting) >= capacity:
-            if not self._evict_host(lease):
-                return False
-        return True
+            return lambda: True
+        host, demoting = self.host.books.policy, self._demoting
+        victim = functools.partial(self._host_victim, lease)
+        evict = functools.partial(self._evict_host, lease)
+
+        def free() -> bool:
+            return len(host) + pending() + len(demoting) < capacity
+
+        return lambda: make_slot(free, victim, evict)
 
     def _free_ahead(self, lease: _Lease) -> None:
         """After a commit, keep ``free_target`` host slots free or coming free."""
         capacity = self.host.spec.capacity
-        while capacity is not None and capacity - len(self.host.policy) < self._free_target:
-            if not self._evict_host(lease, ahead=True):
-                return
+        if capacity is None or not self._free_target:
+            return
+        host, target = self.host.books.policy, self._free_target
+        free_ahead(lambda: capacity - len(host) < target,
+                   functools.partial(self._host_victim, lease),
+                   functools.partial(self._evict_host, lease))
 
-    def _evict_host(self, lease: _Lease, ahead: bool = False) -> bool:
-        """Evict one host victim; True if its slot is free now (or, ``ahead``, if one was
-        evicted at all)."""
-        victims = self.host.policy.evict(1, lease.held.__contains__)
-        if not victims:
-            return False
+    def _host_victim(self, lease: _Lease) -> Hashable | None:
+        victims = self.host.books.policy.evict(1, lease.held.__contains__)
+        return victims[0] if victims else None
+
+    def _evict_host(self, lease: _Lease, block: Hashable) -> bool:
+        """A host victim leaves; True if its slot is free now."""
         self.host.evictions += 1
-        return not self._demote(victims[0], lease) or ahead
+        return not self._demote(block, lease)
 
     def _demote(self, block: Hashable, lease: _Lease) -> bool:
         """Copy a host victim to every write-back tier that lacks and admits it; True if a
@@ -350,22 +359,13 @@ class Simulator:
             return False
         index, parent = self._depth[block]
         started = False
-        for tier in self.back:
-            if self._lacks(tier, block) and self._admits(tier, block, index):
-                started = self._insert(tier, block, parent, lease) or started
+        for tier in self._targets(self.back, block, index):
+            started = self._insert(tier, block, parent, lease) or started
         if started:
             self._demoting[block] = False
         else:
             del self._depth[block]
         return started
-
-    def _admits(self, tier: _Tier, block: Hashable, index: int) -> bool:
-        if not tier.rules:
-            return True
-        ctx = AdmissionContext(
-            admission_key(block), DEFAULT_PRIORITY, (index + 1) * self.block_tokens
-        )
-        return admits(tier.rules, ctx)
 
     def result(self, elapsed_s: float = 0.0) -> SimResult:
         tiers = tuple(self._tier_result(t) for t in self.tiers)
@@ -373,7 +373,7 @@ class Simulator:
         return SimResult(counts, tiers, self.block_tokens, self.block_bytes, elapsed_s)
 
     def _held(self, block: Hashable) -> bool:
-        return any(block in t.policy for t in self.tiers)
+        return any(block in t.books.policy for t in self.tiers)
 
     def _tier_result(self, tier: _Tier) -> TierResult:
         total = self.counts.prompt_blocks
@@ -391,19 +391,13 @@ class Simulator:
             bytes_written=None if size is None else tier.written * size,
             bytes_read=None if size is None else tier.hits * size,
             evictions=tier.evictions,
-            unreachable=tier.policy.unreachable(self._held),
+            unreachable=tier.books.policy.unreachable(self._held),
         )
 
 
 def _parent(blocks: tuple[BlockId, ...], index: int) -> BlockId | None:
     """The chunk before ``blocks[index]`` in its chain (the policy's ``parent`` hint)."""
     return blocks[index - 1] if index else None
-
-
-def _reading_from(tier: _Tier, lease: _Lease) -> Callable[[Hashable], bool]:
-    """Protects the chunks the lease is promoting from ``tier`` (kept there while read)."""
-    reading = lease.reading
-    return lambda block: reading.get(block) is tier
 
 
 def simulate(

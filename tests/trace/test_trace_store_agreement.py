@@ -1,5 +1,10 @@
 """The simulator and the live store agree on the same access sequence.
 
+Both take every decision through the placement core (kvtier/store/placement.py, tested on its
+own in tests/store/test_placement.py); what this pins is the rest, each one's sequence of
+steps (which chunks are leased, pinned or copied when, and when the I/O lands), so that fed
+the same accesses they end with the same tier contents.
+
 A generated chat trace (sessions over shared system prompts, prompts cut to 8 blocks) is
 replayed twice: through :class:`~kvtier.trace.simulate.Simulator` with a host of H chunks and
 a disk of D chunks, and through a real :class:`~kvtier.store.TieredStore` with an arena of H

@@ -1,0 +1,183 @@
+"""The placement core on its own: plain values in, decisions out (kvtier/store/placement.py).
+
+The store and ``kvtier trace simulate`` both call these; tests/trace/test_trace_store_agreement.py
+checks that, fed the same accesses, they end with the same tier contents.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Hashable
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import IntegrityError
+from kvtier.store import placement
+from kvtier.store.placement import (
+    Refusal,
+    TierBooks,
+    free_ahead,
+    free_target,
+    lower_source,
+    make_slot,
+    record_use,
+    servable_prefix,
+    write_targets,
+)
+
+
+def books(capacity: int = 3, admission: tuple[tuple[str, int], ...] = (), **kw: object
+          ) -> TierBooks:
+    return TierBooks("disk", capacity, "lru", capacity, admission, **kw)  # type: ignore[arg-type]
+
+
+def filled(tier: TierBooks, *keys: int, size: int = 1) -> TierBooks:
+    for key in keys:
+        assert tier.make_room(size, lambda _k: False) == []
+        tier.add(key, size, promised=size)
+    return tier
+
+
+def never(_key: Hashable) -> bool:
+    return False
+
+
+def test_make_room_evicts_oldest_first_and_promises_the_room() -> None:
+    tier = filled(books(3), 1, 2, 3)
+    assert tier.make_room(1, never) == [1]
+    assert (tier.used, tier.reserved, 1 in tier) == (2, 1, False)
+    tier.add(4, 1, promised=1)
+    assert tier.policy.order() == [2, 3, 4] and tier.reserved == 0
+    tier.check_integrity()
+
+
+def test_make_room_is_all_or_nothing_and_skips_protected_chunks() -> None:
+    tier = filled(books(4), 1, 2, 3, 4)
+    assert tier.make_room(2, lambda k: k in (1, 2)) == [3, 4]
+    tier.release(2)
+    assert tier.make_room(4, lambda k: k != 1) is None, "two must go, only chunk 1 may"
+    assert tier.policy.order() == [1, 2] and (tier.used, tier.reserved) == (2, 0)
+    assert tier.make_room(5, never) is None, "larger than the tier"
+
+
+def test_copies_under_way_count_against_the_capacity() -> None:
+    tier = filled(books(2), 1)
+    assert tier.make_room(1, never) == []  # promised, not landed yet
+    assert tier.make_room(1, never) == [1], "the promise takes room beside chunk 1"
+
+
+def test_refusal_names_why_a_copy_may_not_start() -> None:
+    up = [True]
+    tier = books(10, (("after_uses", 2),), available=lambda: up[0])
+    filled(tier, 1)
+    tier.mark_deleting(2)
+    assert tier.refusal(1, False, 35, 512) == "held"
+    assert tier.refusal(2, False, 35, 512) == "held", "its delete is queued"
+    assert tier.refusal(3, True, 35, 512) == "held", "a copy is under way"
+    assert tier.refusal(b"k", False, 35, 512) == "policy", "used once only"
+    tier.record_use(b"k")
+    tier.record_use(b"k")
+    assert tier.refusal(b"k", False, 35, 512) is None
+    up[0] = False
+    assert tier.refusal(b"k", False, 35, 512) == "breaker_open"
+    tier.clear_deleting(2)
+    assert tier.refusal(2, False, 35, 512) == "breaker_open"
+
+
+def test_admission_sees_the_rule_key_and_the_prefix_tokens() -> None:
+    tier = books(10, (("min_prefix_tokens", 1024),))
+    assert tier.refusal(7, False, 35, 512, rule_key=b"\0" * 8) == "policy"
+    assert tier.refusal(7, False, 35, 1024, rule_key=b"\0" * 8) is None
+
+
+def test_write_targets_keeps_the_tiers_that_want_the_chunk_and_reports_the_rest() -> None:
+    a, b, c = books(5), books(5, (("after_uses", 2),)), books(5)
+    filled(c, 9)
+    refused: list[tuple[TierBooks, Refusal]] = []
+    out = write_targets([a, b, c], 9, lambda _t: False, 35, 512, rule_key=b"x",
+                        refused=lambda t, why: refused.append((t, why)))
+    assert out == [a] and refused == [(b, "policy"), (c, "held")]
+    record_use([a, b, c], b"x")
+    record_use([a, b, c], b"x")
+    assert write_targets([a, b, c], 9, lambda t: t is a, 35, 512, rule_key=b"x") == [b]
+
+
+def test_lower_source_is_the_first_available_tier_with_a_chunk_a_slot_takes() -> None:
+    up = [True]
+    small = filled(TierBooks("small", 100, "lru", 10, fits_slot=4), 1, size=8)
+    first = filled(TierBooks("first", 100, "lru", 10, available=lambda: up[0]), 1, 2)
+    second = filled(TierBooks("second", 100, "lru", 10), 2)
+    tiers = [small, first, second]
+    assert lower_source(tiers, 1) is first, "small holds it larger than a slot"
+    assert lower_source(tiers, 2) is first
+    up[0] = False
+    assert lower_source(tiers, 2) is second and lower_source(tiers, 1) is None
+    assert lower_source(tiers, 3) is None
+
+
+def test_the_first_miss_ends_the_prefix() -> None:
+    where = {1: "arena", 2: "disk", 4: "arena"}
+    assert servable_prefix([1, 2, 3, 4], where.get) == [(1, "arena"), (2, "disk")]
+    assert servable_prefix([3, 1], where.get) == []
+
+
+class Arena:
+    """Slots and an LRU order of chunks; ``dirty`` ones are written back before they go."""
+
+    def __init__(self, slots: int, dirty: set[int]) -> None:
+        self.slots, self.dirty = slots, dirty
+        self.order: list[int] = []
+        self.demoting: list[int] = []
+
+    def victim(self) -> int | None:
+        return self.order.pop(0) if self.order else None
+
+    def evict(self, key: int) -> bool:
+        if key in self.dirty:
+            self.demoting.append(key)
+            return False
+        return True
+
+    def free(self) -> bool:
+        return len(self.order) + len(self.demoting) < self.slots
+
+
+def test_make_slot_takes_one_victim_per_slot_and_none_that_is_written_back_first() -> None:
+    arena = Arena(2, dirty={1})
+    arena.order = [2, 3]
+    assert make_slot(arena.free, arena.victim, arena.evict) and arena.order == [3]
+    arena.order = [1, 3]
+    assert not make_slot(arena.free, arena.victim, arena.evict), "1 is written back first"
+    assert arena.order == [3] and arena.demoting == [1], "and 3 stays: one victim only"
+    arena = Arena(1, dirty=set())
+    arena.order = [5]
+    assert not make_slot(arena.free, lambda: None, arena.evict), "nothing may be evicted"
+
+
+def test_free_ahead_evicts_until_the_target_is_free_or_coming_free() -> None:
+    arena = Arena(4, dirty={1, 2})
+    arena.order = [1, 2, 3, 4]
+    target = free_target(0.5, 4, write_back=True)
+    free_ahead(lambda: arena.slots - len(arena.order) < target, arena.victim, arena.evict)
+    assert arena.order == [3, 4] and arena.demoting == [1, 2]
+    assert free_target(0.5, 4, write_back=False) == 0, "freeing ahead pays for write-back only"
+
+
+def test_check_integrity_finds_books_that_disagree() -> None:
+    tier = filled(books(3), 1, 2)
+    tier.check_integrity()
+    tier.used += 1
+    with pytest.raises(IntegrityError, match="used bytes"):
+        tier.check_integrity()
+
+
+def test_the_core_imports_no_runtime_piece_and_no_trace() -> None:
+    """Pure: no threads, I/O, slots or lock, and nothing of its callers (store, trace)."""
+    tree = ast.parse(Path(placement.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom)}
+    allowed = {"__future__", "collections.abc", "typing", "kvtier.errors", "kvtier.policies"}
+    assert imported <= allowed, f"placement imports {sorted(imported - allowed)}"
