@@ -29,6 +29,7 @@ from kvtier.config import ServerConfig, TierConfig
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import journal
 from kvtier.store.sweeper import sweep
+from kvtier.tables import table
 from kvtier.tiers import TIERS, LowerTier, StoredChunk
 from kvtier.tiers.shared import SharedTier
 
@@ -95,14 +96,15 @@ def run_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=2))
         return 0
-    print(f"{'tier':<12} {'type':<6} {'where':<7} {'namespace':<18} {'chunks':>8} "
-          f"{'bytes':>14} {'oldest':>9} {'newest':>9}")
-    for r in rows:
-        ages = (f"{_age(r.oldest_s):>9} {_age(r.newest_s):>9}" if r.chunks else
-                f"{'-':>9} {'-':>9}")
-        print(f"{r.tier:<12} {r.kind:<6} {'shared' if r.shared else 'local':<7} "
-              f"{r.namespace[:16]:<18} {r.chunks:>8} {r.bytes:>14,} {ages}")
+    print(table(["tier", "type", "where", "namespace", "chunks", "bytes", "oldest", "newest"],
+                [_ls_cells(r) for r in rows], align="llllrrrr"))
     return 0
+
+
+def _ls_cells(r: Usage) -> list[str]:
+    ages = [_age(r.oldest_s), _age(r.newest_s)] if r.chunks else ["-", "-"]
+    return [r.tier, r.kind, "shared" if r.shared else "local", r.namespace[:16], str(r.chunks),
+            f"{r.bytes:,}", *ages]
 
 
 def run_gc(args: argparse.Namespace) -> int:

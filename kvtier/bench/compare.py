@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtier.bench.rules import Verdict, parse_rule
 from kvtier.errors import ConfigError
+from kvtier.tables import table
 
 Metrics = dict[str, float | None]
 
@@ -100,13 +101,10 @@ def run(args: argparse.Namespace) -> int:
 
 def print_comparison(rows: Mapping[str, Mapping[str, float | None]], base: str, cand: str
                      ) -> None:
-    def cell(value: float | None) -> str:
-        return "-" if value is None else f"{value:.6g}"
+    def cell(value: float | None, spec: str) -> str:
+        return "-" if value is None else f"{value:{spec}}"
 
-    width = max([len(n) for n in rows] + [6])
     print(f"baseline:  {base}\ncandidate: {cand}")
-    print(f"{'metric':<{width}}  {'baseline':>12}  {'candidate':>12}  {'ratio':>7}")
-    for name, row in rows.items():
-        r = row["ratio"]
-        print(f"{name:<{width}}  {cell(row['baseline']):>12}  {cell(row['candidate']):>12}  "
-              f"{'-' if r is None else f'{r:.3f}':>7}")
+    print(table(["metric", "baseline", "candidate", "ratio"],
+                [[name, cell(row["baseline"], ".6g"), cell(row["candidate"], ".6g"),
+                  cell(row["ratio"], ".3f")] for name, row in rows.items()]))

@@ -36,6 +36,7 @@ import torch
 
 from kvtier.bench.kvcaches import LAYOUTS, KvShape, fill_random, kv_caches, shape_for
 from kvtier.codec import HEADER_SIZE, align_up
+from kvtier.tables import table
 from kvtier.tiers.arena import Arena
 from kvtier.vllm.cuda_copier import STAGING_CAP, CudaCopier
 from kvtier.vllm.lanes import CudaEvent, CudaLane, HostLane, Lane
@@ -352,9 +353,8 @@ def _print(figures: dict[str, Any]) -> None:
         cols += ["d2h_GBps", "ref_d2h_GBps", "d2h_ratio", "h2d_GBps", "ref_h2d_GBps",
                  "h2d_ratio", "store_issue_ms"]
         print(f"device: {figures['device']}, pinner: {figures['pinner']}")
-    print("layout    " + "  ".join(f"{c:>16}" for c in cols))
-    for name, f in figures["layouts"].items():
-        print(f"{name:<10}" + "  ".join(f"{f.get(c)!s:>16}" for c in cols))
+    print(table(["layout", *cols], [[name, *(str(f.get(c)) for c in cols)]
+                                    for name, f in figures["layouts"].items()]))
     if figures["cuda"]:
         for name, f in figures["layouts"].items():
             print(f"memory {name}: {f['memory']}")

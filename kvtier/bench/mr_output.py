@@ -12,6 +12,7 @@ from typing import Any
 
 from kvtier.bench.figures import mean_itl
 from kvtier.bench.openai_client import RequestResult
+from kvtier.tables import table
 
 CSV_COLUMNS = ("user", "round", "warmup", "start_s", "ttft_s", "e2e_s", "mean_itl_s",
                "max_itl_s", "prompt_tokens", "output_tokens", "kv_source", "kv_tokens", "error")
@@ -93,19 +94,5 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_table(summary: Mapping[str, Any], title: str) -> None:
-    rows = table_rows(summary)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        width = max(len(name) for name, _ in rows)
-        for name, value in rows:
-            print(f"  {name:<{width}}  {value}")
-        return
-    table = Table(title=title, show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for name, value in rows:
-        table.add_row(name, value)
-    Console().print(table)
+    print(title)
+    print(table(None, table_rows(summary), align="ll", indent="  "))

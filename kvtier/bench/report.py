@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvtier.tables import table
+
 
 class Row(NamedTuple):
     name: str
@@ -15,12 +17,12 @@ class Row(NamedTuple):
 def print_table(rows: list[Row], title: str = "") -> None:
     if title:
         print(title)
-    width = max(len(r.name) for r in rows)
-    print(f"{'':{width}}  {'kvtier':>10}  {'baseline':>10}  {'ratio':>7}  baseline")
-    for r in rows:
-        if r.baseline is None:
-            print(f"{r.name:{width}}  {r.value:10.3f}  {'':>10}  {'':>7}")
-        else:
-            ratio = r.value / r.baseline if r.baseline else float("nan")
-            print(f"{r.name:{width}}  {r.value:10.3f}  {r.baseline:10.3f}  {ratio:7.2f}  "
-                  f"{r.baseline_name}")
+    print(table(["", "kvtier", "baseline", "ratio", "baseline"], [_cells(r) for r in rows],
+                align="lrrrl"))
+
+
+def _cells(r: Row) -> list[str]:
+    if r.baseline is None:
+        return [r.name, f"{r.value:.3f}", "", "", ""]
+    ratio = r.value / r.baseline if r.baseline else float("nan")
+    return [r.name, f"{r.value:.3f}", f"{r.baseline:.3f}", f"{ratio:.2f}", r.baseline_name]

@@ -32,6 +32,7 @@ from kvtier.errors import ServiceStartError
 from kvtier.httpjson import answers_200
 from kvtier.ports import free_ports
 from kvtier.processes import Child, stop_group, wait_ready
+from kvtier.tables import table
 
 STOP_TIMEOUT_S = 30.0
 
@@ -162,17 +163,19 @@ def print_figures(f: dict[str, Any]) -> None:
     print(f"kvtier bench route (strategy {f['strategy']}, stub backend, {f['cpus']} CPUs; "
           f"{f['requests']} sequential requests per path, {f['concurrency']} clients for "
           f"{f['duration_s']:.0f} s)")
-    print(f"{'':22}  {'direct p50':>10}  {'routed p50':>10}  {'added p50':>9}  "
-          f"{'direct p99':>10}  {'routed p99':>10}  {'added p99':>9}")
+    rows = []
     for name in ("whole", "stream_first_chunk"):
         row = f[name]
         d, r = row["direct"], row["routed"]
-        print(f"{name + ' (ms)':22}  {d['p50_ms']:10.3f}  {r['p50_ms']:10.3f}  "
-              f"{row['added_p50_ms']:9.3f}  {d['p99_ms']:10.3f}  {r['p99_ms']:10.3f}  "
-              f"{row['added_p99_ms']:9.3f}")
+        rows.append([f"{name} (ms)", *(f"{v:.3f}" for v in (
+            d["p50_ms"], r["p50_ms"], row["added_p50_ms"], d["p99_ms"], r["p99_ms"],
+            row["added_p99_ms"]))])
     t = f["throughput"]
-    print(f"{'requests/s':22}  {t['direct_rps']:10.0f}  {t['routed_rps']:10.0f}  "
-          f"{'':9}  (routed / direct = {t['routed_rps'] / t['direct_rps']:.2f})")
+    rows.append(["requests/s", f"{t['direct_rps']:.0f}", f"{t['routed_rps']:.0f}",
+                 *[""] * 4])
+    print(table(["", "direct p50", "routed p50", "added p50", "direct p99", "routed p99",
+                 "added p99"], rows))
+    print(f"requests/s routed / direct = {t['routed_rps'] / t['direct_rps']:.2f}")
 
 
 def _start(started: list[Child], logs: Path, name: str, url: str, argv: list[str],

@@ -7,12 +7,13 @@ import yaml
 from kvtier.plan.budget import CPU_OFFLOAD_NOTE
 from kvtier.plan.planner import Plan
 from kvtier.plan.traffic import TraceAdvice
+from kvtier.tables import table
 from kvtier.trace.report import pct
 from kvtier.trace.sizes import show_bytes, show_tokens
 
 
 def plan_text(p: Plan) -> str:
-    m, d, dev, host = p.model, p.device_inputs, p.device, p.host
+    m, d, dev = p.model, p.device_inputs, p.device
     params = f"{m.params / 1e9:.2f}B params" if m.params >= 1e8 else f"{m.params:,} params"
     lines = [
         f"kvtier plan: {m.path}",
@@ -22,35 +23,8 @@ def plan_text(p: Plan) -> str:
         f"{show_bytes(dev.kv_bytes_per_token)} per token per GPU at TP={d.tp}",
         "",
         f"device, per GPU (TP={d.tp}, max_model_len {d.max_model_len:,})",
-        f"  usable            {show_bytes(dev.usable_bytes):>10}  "
-        f"= {show_bytes(d.device_bytes)} x {d.gpu_memory_utilization:g}",
-        f"  - weights         {show_bytes(dev.weights_bytes):>10}",
-        f"  - workspace       {show_bytes(dev.workspace_bytes):>10}  (activations of "
-        f"{d.max_num_batched_tokens:,} batched tokens, logits, "
-        f"{'no CUDA graphs' if d.enforce_eager else 'CUDA graphs'}, non-torch; "
-        "check vLLM's 'Available KV cache memory' log line)",
-        f"  = KV cache        {show_bytes(dev.kv_bytes):>10}  = {show_tokens(dev.kv_tokens)}"
-        f" ({dev.full_sequences:.1f} sequences of max_model_len)",
-    ]
-    if dev.kv_tokens < d.max_model_len:
-        lines.append(f"  ! less than one sequence of max_model_len: vLLM will refuse to "
-                     f"start; lower --max-model-len to {dev.kv_tokens:,} or less")
-    lines += [
-        "",
-        "host",
-        f"  RAM               {show_bytes(host.ram_bytes):>10}",
-        f"  - OS              {show_bytes(host.os_bytes):>10}",
-        f"  - page cache      {show_bytes(host.page_cache_bytes):>10}",
-        f"  - co-located      {show_bytes(host.colocated_bytes):>10}",
-        f"  - engines         {show_bytes(host.engines_bytes):>10}",
-        f"  - weight offload  {show_bytes(host.weight_offload_bytes):>10}  (--cpu-offload-gb)",
-        f"  - margin          {show_bytes(host.margin_bytes):>10}",
-        f"  = headroom        {show_bytes(host.headroom_bytes):>10}  -> an arena of up to "
-        f"{host.arena_slots:,} slots of {show_bytes(host.slot_bytes)} = "
-        f"{show_tokens(host.arena_tokens)} ({_times(host.arena_tokens, dev.kv_tokens)} "
-        "the device KV cache)",
-        f"disk              {show_bytes(p.disk.fit_bytes):>10}  fits in {p.disk.path} "
-        f"({show_tokens(p.disk.fit_bytes // host.slot_bytes * p.chunk_tokens)})",
+        table(None, [*_device_rows(p), ["", "", ""], ["host", "", ""], *_host_rows(p)],
+              align="lrl"),
     ]
     if d.cpu_offload_gb:
         lines += ["", "note: " + CPU_OFFLOAD_NOTE]
@@ -61,6 +35,46 @@ def plan_text(p: Plan) -> str:
                   "device KV cache) and no disk tier; measure hit quality (kvtier bench "
                   "multiround) before growing it, or give --trace to size it from traffic"]
     return "\n".join(lines)
+
+
+def _device_rows(p: Plan) -> list[list[str]]:
+    """The device ledger: label, figure, how it was found."""
+    d, dev = p.device_inputs, p.device
+    rows = [
+        ["  usable", show_bytes(dev.usable_bytes),
+         f"= {show_bytes(d.device_bytes)} x {d.gpu_memory_utilization:g}"],
+        ["  - weights", show_bytes(dev.weights_bytes), ""],
+        ["  - workspace", show_bytes(dev.workspace_bytes),
+         f"(activations of {d.max_num_batched_tokens:,} batched tokens, logits, "
+         f"{'no CUDA graphs' if d.enforce_eager else 'CUDA graphs'}, non-torch; "
+         "check vLLM's 'Available KV cache memory' log line)"],
+        ["  = KV cache", show_bytes(dev.kv_bytes), f"= {show_tokens(dev.kv_tokens)} "
+         f"({dev.full_sequences:.1f} sequences of max_model_len)"],
+    ]
+    if dev.kv_tokens < d.max_model_len:
+        rows.append(["  !", "", "less than one sequence of max_model_len: vLLM will refuse "
+                     f"to start; lower --max-model-len to {dev.kv_tokens:,} or less"])
+    return rows
+
+
+def _host_rows(p: Plan) -> list[list[str]]:
+    """The host ledger, and the disk that fits."""
+    host = p.host
+    spent = [("OS", host.os_bytes, ""), ("page cache", host.page_cache_bytes, ""),
+             ("co-located", host.colocated_bytes, ""), ("engines", host.engines_bytes, ""),
+             ("weight offload", host.weight_offload_bytes, "(--cpu-offload-gb)"),
+             ("margin", host.margin_bytes, "")]
+    arena = (f"-> an arena of up to {host.arena_slots:,} slots of {show_bytes(host.slot_bytes)}"
+             f" = {show_tokens(host.arena_tokens)} "
+             f"({_times(host.arena_tokens, p.device.kv_tokens)} the device KV cache)")
+    disk_tokens = p.disk.fit_bytes // host.slot_bytes * p.chunk_tokens
+    return [
+        ["  RAM", show_bytes(host.ram_bytes), ""],
+        *(["  - " + name, show_bytes(size), note] for name, size, note in spent),
+        ["  = headroom", show_bytes(host.headroom_bytes), arena],
+        ["disk", show_bytes(p.disk.fit_bytes), f"fits in {p.disk.path} "
+         f"({show_tokens(disk_tokens)})"],
+    ]
 
 
 def _times(a: int, b: int) -> str:

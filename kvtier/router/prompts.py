@@ -305,15 +305,46 @@ def _template_variables(template: str) -> frozenset[str]:
 
 
 def _parse(template: str) -> Any:
-    """The template's syntax tree, parsed by the Jinja environment transformers renders with
-    (it knows the ``generation`` tag); None if it does not parse."""
-    try:
-        from transformers.utils import chat_template_utils
+    """The template's syntax tree, or None if it does not compile (vLLM then falls back
+    to the string content format, and transformers cannot render it).
 
-        compiled = chat_template_utils._compile_jinja_template(template)
-        return compiled.environment.parse(template)
-    except Exception:
+    Compiled, never rendered, by a Jinja environment built as transformers builds the one
+    it renders with (and vLLM the one it reads template variables with): sandboxed, trimmed,
+    with loop controls and the ``{% generation %}`` tag, so a template compiles here exactly
+    when it compiles there. Only the tokenizer's own template comes here: a request's
+    ``chat_template`` is refused before (:func:`refuse_request_template`)."""
+    import jinja2
+
+    env = _parser()
+    try:
+        env.compile(template)  # an unknown filter or test fails here, as in transformers
+        tree = env.parse(template)  # a fresh tree: compiling may optimize the one it makes
+    except (jinja2.TemplateError, RecursionError):  # bad syntax, or nesting too deep
         return None
+    return tree
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Any:
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.sandbox
+
+    class GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: marks the assistant's text in
+        transformers' templates; parsed as the call block transformers makes of it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_generation_support")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[GenerationTag, jinja2.ext.loopcontrols])
 
 
 @lru_cache(maxsize=1)

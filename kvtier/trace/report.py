@@ -1,4 +1,5 @@
-"""Plain aligned text tables and JSON for the trace commands (plots live in plots.py)."""
+"""Text and JSON for the trace commands: aligned tables (kvtier.tables) and figure lines;
+plots live in plots.py."""
 
 from __future__ import annotations
 
@@ -10,24 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.tables import table
 from kvtier.trace.analyze import Analysis, Kv
 from kvtier.trace.recommend import Recommendation, TierSize
 from kvtier.trace.results import SimResult, TierResult
 from kvtier.trace.sizes import show_bytes, show_tokens
 from kvtier.trace.stats import Summary
 from kvtier.trace.sweep import BELADY, SweepPoint
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
-    """Columns padded to their widest cell: the first left-aligned, the others right."""
-    cells = [list(headers), *[list(r) for r in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        parts = [row[0].ljust(widths[0])]
-        parts += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        lines.append(indent + "  ".join(parts).rstrip())
-    return "\n".join(lines)
 
 
 def pct(value: float | None) -> str:
@@ -62,7 +52,7 @@ def analysis_text(a: Analysis) -> str:
             _summary_row("reuse time (s)", a.reuse.reuse_time_s, 1),
             _summary_row("first reuse after creation (s)", a.reuse.first_reuse_s, 1),
             _summary_row("stack distance (tokens)", a.reuse.stack_distance_tokens),
-        ]),
+        ], indent="  "),
         "",
         f"blocks  {a.reuse.blocks:,} unique in {a.reuse.accesses:,} accesses; never reused: "
         f"{a.reuse.never_reused:,} ({pct(a.reuse.never_reused_share)})",
@@ -84,9 +74,10 @@ def _sharing_text(a: Analysis) -> str:
             show_tokens(h.reused_tokens)] for h in a.sharing.hottest]
     return "\n".join([
         "requests sharing each block:",
-        table(["requests", "blocks", "share"], buckets),
+        table(["requests", "blocks", "share"], buckets, indent="  "),
         "hottest shared prefixes (maximal: sharing drops after them):",
-        table(["last block", "blocks", "prefix", "requests", "reused tokens"], hot),
+        table(["last block", "blocks", "prefix", "requests", "reused tokens"], hot,
+              indent="  "),
     ])
 
 
@@ -137,7 +128,7 @@ def simulation_text(result: SimResult, bytes_per_token: int | None) -> str:
     c = result.counts
     return "\n".join([
         table(["tier", "capacity", "eviction", "admission", "write", "hits", "hit ratio",
-               "written", "read", "evictions", "unreachable"], rows),
+               "written", "read", "evictions", "unreachable"], rows, indent="  "),
         f"all tiers  block hit ratio {pct(c.block_hit_ratio)}, token hit ratio "
         f"{pct(c.token_hit_ratio)}; recomputed {num(c.recomputed_tokens)} of "
         f"{num(c.prompt_tokens)} prompt tokens",
@@ -161,7 +152,7 @@ def sweep_text(points: Sequence[SweepPoint], block_tokens: int, bpt: int | None)
     rows = [[_capacity(s, block_tokens, bpt), *(pct(ratio.get((pol, s))) for pol in policies)]
             for s in sizes]
     head = ["host", *(f"{p} (ceiling)" if p == BELADY else p for p in policies)]
-    return "block hit ratio by host size\n" + table(head, rows)
+    return "block hit ratio by host size\n" + table(head, rows, indent="  ")
 
 
 def recommendation_text(rec: Recommendation, block_tokens: int, bpt: int | None) -> str:

@@ -66,6 +66,46 @@ def test_a_template_that_loops_over_content_gets_the_parts(
     assert renderer.tokens("chat", body) == want
 
 
+def test_a_generation_block_is_parsed_as_transformers_parses_it(
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``{% generation %}`` (transformers' assistant-mask tag) hides no content loop."""
+    marked = ("{% for m in messages %}{% generation %}{% for part in m.content %}"
+              "{{ part.text }}{% endfor %}{% endgeneration %}{% endfor %}")
+    assert content_format(marked) == "openai"
+    monkeypatch.setattr(renderer.tokenizer, "chat_template", marked)
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert renderer.tokens("chat", body) == \
+        renderer.tokenizer("x", add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_does_not_compile_gives_no_tokens(
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    for broken in ("{% for %}", "{{ messages | no_such_filter }}",
+                   "{% if x %}" * 5000 + "{% endif %}" * 5000):
+        assert content_format(broken) == "string"  # vLLM's fallback
+        monkeypatch.setattr(renderer.tokenizer, "chat_template", broken)
+        assert renderer.tokens("chat", {"messages": [{"role": "user", "content": "x"}]}) is None
+
+
+def test_chat_template_kwargs_reach_the_template_only_when_it_reads_them(
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+             "{% if enable_thinking %}<think>{% endif %}{{ greeting }}")
+    monkeypatch.setattr(renderer.tokenizer, "chat_template", reads)
+    tok = renderer.tokenizer
+
+    def tokens(**extra: Any) -> list[int] | None:
+        return renderer.tokens("chat", {"messages": [{"role": "user", "content": "x"}],
+                                        **extra})
+
+    assert tokens(chat_template_kwargs={"greeting": "hi", "unread": 1}) == \
+        tok("xhi", add_special_tokens=False)["input_ids"]
+    assert tokens(reasoning_effort="high") == tok("x<think>", add_special_tokens=False)[
+        "input_ids"]
+    assert tokens(chat_template_kwargs={"tokenize": True}) is None  # as vLLM refuses it
+    assert tokens(chat_template_kwargs=["not", "an", "object"]) is None
+
+
 def test_a_request_supplied_chat_template_is_never_rendered(
         renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[object] = []
