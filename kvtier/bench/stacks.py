@@ -282,6 +282,42 @@ def _two_instances(router: str, policy: str) -> Callable[[StackEnv], Stack]:
     return start
 
 
+def plain_fleet_specs(env: StackEnv, n: int, router: str, policy: str, port: int,
+                      vllm_router: Path | None = None) -> list[ProcSpec]:
+    """``n`` plain vLLM instances (no connector: the ``device`` configuration's command) on
+    ``port+1`` .. ``port+n``, each bound to a core of its own on the CPU build as ``kvtier
+    serve --instances`` binds its instances, then ``router`` (``kvtier`` or
+    ``vllm-router``, :func:`kvtier.launch.front.router_argv`) with ``policy`` on ``port``."""
+    from kvtier.launch.front import router_argv
+    from kvtier.launch.plan import is_cpu_build
+    from kvtier.launch.stack_options import cores
+
+    bind = is_cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    specs = []
+    for i in range(n):
+        own = port + 1 + i
+        core = {"VLLM_CPU_OMP_THREADS_BIND": str(i % cores())} if bind else {}
+        specs.append(engine(f"vllm-{i}", _vllm(env, own), own, core))
+    backends = [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)]
+    argv = router_argv(router, policy, "127.0.0.1", port, backends, [], vllm_router)
+    if argv is None:
+        raise ConfigError(f"a plain fleet needs a router; got {router!r}")
+    return [*specs, engine(f"router-{router}", argv, port)]
+
+
+def _plain_fleet(n: int, router: str, policy: str) -> Callable[[StackEnv], Stack]:
+    """The fleet without kvtier: what the stack is measured against."""
+    def start(env: StackEnv) -> Stack:
+        binary = None
+        if router == "vllm-router":  # the benchmark installs its peer
+            from kvtier.bench.peers import ensure_vllm_router
+
+            binary = ensure_vllm_router(log_file=env.workdir.parent / "vllm-router-install.log")
+        port = ports.free_base(range(n + 1))
+        return launch(env, plain_fleet_specs(env, n, router, policy, port, binary), port)
+    return start
+
+
 register_stack("device", "plain vLLM, prefix caching on (the device cache only)", _start_device)
 register_stack("device+noop", "plain vLLM with a connector that does nothing "
                "(kvtier.vllm.noop): what configuring any connector changes in vLLM",
@@ -296,6 +332,12 @@ register_stack("2x+cache", "two instances (a core each, one shared fs tier) behi
                "route, cache-aware", _two_instances("kvtier", "cache"))
 register_stack("2x+vllm-router", "two instances (a core each, one shared fs tier) behind "
                "vLLM's own router (cache_aware)", _two_instances("vllm-router", "cache_aware"))
+register_stack("2x-plain+vllm-router", "two plain vLLM instances (a core each, no kvtier, no "
+               "shared tier) behind vLLM's own router, round robin: the plain fleet",
+               _plain_fleet(2, "vllm-router", "round_robin"))
+register_stack("2x-plain+kvtier-rr", "two plain vLLM instances (a core each, no kvtier, no "
+               "shared tier) behind kvtier route, round robin: the plain fleet",
+               _plain_fleet(2, "kvtier", "roundrobin"))
 register_stack("example", "vLLM's ExampleConnector (KV files in a folder)", _start_example)
 register_stack("lmcache", "LMCache multi-process server + LMCacheMPConnector (own venv)",
                _start_lmcache)

@@ -3,38 +3,45 @@
 ::
 
     kvtier bench sweep --configs device,arena,arena+disk,example,lmcache --users 2,4,8,16 \
-        --history 2000 --num-rounds 3 --device-blocks 64 --out sweep/
+        --history 2000 --num-rounds 3 --device-blocks 64 --repeat 3 --out sweep/
 
-For each configuration (:mod:`kvtier.bench.stacks`), one at a time so the engine has the
-machine's cores: start its stack, send one warm-up request, run each point (a number of users
-and a history length) with text of its own seed (no point reuses another's KV), stop the stack.
-Every point is written to ``OUT/sweep.json`` as it completes, with its full results in
-``OUT/points/``; a rerun skips completed points (failed ones too, unless ``--retry-failed``)
-and refuses a file made with other settings unless ``--fresh``. At the end: ``cliff_ratio``
-(:mod:`kvtier.bench.sweep_figure`), the table, and ``OUT/sweep.png`` (throughput and p99 TTFT
-against sessions, one line per configuration).
+For each repeat, and in it for each configuration (:mod:`kvtier.bench.stacks`; one at a time
+so the engine has the machine's cores; each repeat starts further down the list and wraps
+around: :func:`schedule`): start its stack, send one warm-up request, run each point (a number of
+users and a history length) with text of its own seed (no point reuses another's KV; a
+point's repeats share it: the same work, on a fresh stack), stop the stack. Every run is
+written to ``OUT/sweep.json`` as it completes (:mod:`kvtier.bench.sweep_runs`: every run, and
+per point the medians with their min and max), with its full results in ``OUT/points/``; a
+rerun skips completed runs (failed ones too, unless ``--retry-failed``), adds the repeats a
+larger ``--repeat`` asks for, and refuses a file made with other settings unless ``--fresh``.
+At the end: ``cliff_ratio`` on the medians (:mod:`kvtier.bench.sweep_figure`), the table, and
+``OUT/sweep.png`` (throughput and p99 TTFT against sessions, one line per configuration,
+min-max error bars when there are repeats).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import shlex
 import shutil
 import sys
-from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from kvtier.bench.multiround import DEMO_NAME, add_arguments, workload_config
+from kvtier.bench.provenance import provenance
 from kvtier.bench.stacks import STACKS, Stack, StackEnv, get_stack
+from kvtier.bench.sweep_runs import put_run, run_done, upgrade_v1
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.tables import table
 
-VERSION = 1
+VERSION = 2
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--configs", default="device,arena,arena+disk",
                    help=f"comma list of: {', '.join(STACKS)} (default: %(default)s)")
     p.add_argument("--users", default="2,4,8,16", help="user counts (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1, metavar="K",
+                   help="run every point K times, the configurations interleaved in each "
+                   "repeat; the JSON keeps every run and each point's median and min-max "
+                   "(default: %(default)s)")
     p.add_argument("--history", default="2000",
                    help="user history lengths in tokens (default: %(default)s)")
     p.add_argument("--out", default="sweep", help="results folder (default: %(default)s)")
@@ -126,7 +137,8 @@ def _l1_gb(args: argparse.Namespace) -> float:
 def command(args: argparse.Namespace) -> str:
     """The sweep as one explicit command line (what the JSON records)."""
     flags = ["--configs", args.configs, "--users", args.users, "--history", args.history,
-             "--out", args.out, "--device-blocks", str(args.device_blocks),
+             "--repeat", str(args.repeat), "--out", args.out,
+             "--device-blocks", str(args.device_blocks),
              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
              "--arena-size", args.arena_size, "--disk-size", args.disk_size,
              "--num-rounds", str(args.num_rounds),
@@ -146,8 +158,25 @@ def command(args: argparse.Namespace) -> str:
         flags += ["--dataset", args.dataset]
     if args.lmcache_l1_gb is not None:
         flags += ["--lmcache-l1-gb", str(args.lmcache_l1_gb)]
+    if args.served_model_name != DEMO_NAME:
+        flags += ["--served-model-name", args.served_model_name]
+    if args.api != "chat":
+        flags += ["--api", args.api]
+    flags += [flag for flag, on in (("--no-stream", args.no_stream),
+                                    ("--no-ignore-eos", args.no_ignore_eos),
+                                    ("--restart-per-point", args.restart_per_point)) if on]
+    if args.goodput:
+        flags += ["--goodput", *args.goodput]
     flags += [f"--vllm-arg={a}" for a in args.vllm_arg]
     return "kvtier bench sweep " + shlex.join(flags)
+
+
+def invocation(args: argparse.Namespace) -> dict[str, Any]:
+    """This run of the sweep, as ``sweep.json`` records it: the explicit command (every
+    setting spelled out), the process's own command line, when, and the code's commit."""
+    return {"command": command(args), "argv": list(sys.argv),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            **provenance()}
 
 
 def load_doc(path: Path, wanted: dict[str, Any], fresh: bool) -> dict[str, Any]:
@@ -156,6 +185,8 @@ def load_doc(path: Path, wanted: dict[str, Any], fresh: bool) -> dict[str, Any]:
             doc = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{path}: cannot resume ({exc}); use --fresh") from exc
+        if doc.get("version") == 1:
+            doc = upgrade_v1(doc)
         if doc.get("version") != VERSION or doc.get("settings") != wanted:
             old = doc.get("settings") or {}
             differ = sorted(k for k in set(old) | set(wanted) if old.get(k) != wanted.get(k))
@@ -166,15 +197,16 @@ def load_doc(path: Path, wanted: dict[str, Any], fresh: bool) -> dict[str, Any]:
             "configs": {}}
 
 
-def _done(points: Sequence[dict[str, Any]], users: int, history: int, retry: bool) -> bool:
-    return any(p["users"] == users and p["history_tokens"] == history
-               and (p.get("error") is None or not retry) for p in points)
-
-
-def _put(points: list[dict[str, Any]], point: dict[str, Any]) -> None:
-    points[:] = [p for p in points if (p["users"], p["history_tokens"]) !=
-                 (point["users"], point["history_tokens"])] + [point]
-    points.sort(key=lambda p: (p["history_tokens"], p["users"]))
+def schedule(names: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, configuration) in the order they run: each repeat is one pass over every
+    configuration, and repeat r starts (r-1)/K of the way down the list and wraps around,
+    so drift slower than a pass hits every configuration in each repeat alike, and none
+    always runs first or last (docs/benchmarks.md, "Repeats")."""
+    order = []
+    for r in range(repeats):
+        start = r * len(names) // repeats
+        order += [(r + 1, name) for name in names[start:] + names[:start]]
+    return order
 
 
 def _safe(name: str) -> str:
@@ -189,6 +221,10 @@ class Sweep:
         self.out = out
         self.doc = doc
         self.starts = 0
+        self.invocation = len(doc.get("invocations", [])) - 1
+        """Index in ``doc["invocations"]`` that each run of this process records."""
+        self.broken: dict[str, str] = {}
+        """Configurations that failed to start in this process: not tried again."""
 
     def save(self) -> None:
         from kvtier.bench.mr_output import write_json
@@ -206,12 +242,18 @@ class Sweep:
                         lmcache_l1_gb=s["lmcache_l1_gb"], ready_timeout_s=self.args.ready_timeout,
                         env={"OMP_NUM_THREADS": cores})
 
-    def run_config(self, name: str, users: list[int], histories: list[int]) -> None:
+    def run_config(self, name: str, repeat: int, users: list[int], histories: list[int]
+                   ) -> None:
+        """Repeat ``repeat`` of configuration ``name``: its runs not done yet, on one stack
+        (a fresh one per point with ``--restart-per-point``) that is stopped at the end."""
         spec = get_stack(name)
         cfg = self.doc["configs"].setdefault(name, {"description": spec.description,
                                                     "points": [], "failure": None})
         todo = [(h, u) for h in histories for u in users
-                if not _done(cfg["points"], u, h, self.args.retry_failed)]
+                if not run_done(cfg["points"], u, h, repeat, self.args.retry_failed)]
+        if todo and name in self.broken:
+            self._fail_rest(cfg, repeat, todo, self.broken[name])
+            return
         stack: Stack | None = None
         env: StackEnv | None = None
         try:
@@ -220,20 +262,27 @@ class Sweep:
                     if stack is not None:
                         self._stop(stack, env)
                     env = self.env(name)
-                    print(f"kvtier bench sweep: starting {name}", file=sys.stderr, flush=True)
+                    print(f"kvtier bench sweep: starting {name} (repeat {repeat})",
+                          file=sys.stderr, flush=True)
                     try:
                         stack = spec.start(env)
                         _warm_up(stack, self.args.served_model_name)
                     except KvtierError as exc:
                         stack = None
-                        self._fail_rest(cfg, todo[todo.index((history, n)):], exc)
+                        self.broken[name] = str(exc)
+                        self._fail_rest(cfg, repeat, todo[todo.index((history, n)):], str(exc))
                         return
-                point = self.run_point(name, stack, history, n)
-                _put(cfg["points"], point)
+                run = self.run_point(name, stack, history, n, repeat)
+                self._put(cfg, n, history, repeat, run)
                 self.save()
         finally:
             if stack is not None:
                 self._stop(stack, env)
+
+    def _put(self, cfg: dict[str, Any], users: int, history: int, repeat: int,
+             run: dict[str, Any]) -> None:
+        put_run(cfg["points"], users, history,
+                {"repeat": repeat, "invocation": self.invocation, **run})
 
     def _stop(self, stack: Stack, env: StackEnv | None) -> None:
         stack.stop()
@@ -241,17 +290,18 @@ class Sweep:
             for data in ("disk", "example"):  # KV files; the logs stay
                 shutil.rmtree(env.workdir / data, ignore_errors=True)
 
-    def _fail_rest(self, cfg: dict[str, Any], todo: list[tuple[int, int]], exc: Exception
-                   ) -> None:
-        message = str(exc)
+    def _fail_rest(self, cfg: dict[str, Any], repeat: int, todo: list[tuple[int, int]],
+                   message: str) -> None:
         cfg["failure"] = message
         for history, n in todo:
-            _put(cfg["points"], {"users": n, "history_tokens": history, "error": message,
-                                 "throughput_tok_s": None, "p99_ttft_s": None,
-                                 "hit_ratio": None})
+            self._put(cfg, n, history, repeat, {"error": message, "throughput_tok_s": None,
+                                                "p99_ttft_s": None, "hit_ratio": None})
         self.save()
 
-    def run_point(self, name: str, stack: Stack, history: int, users: int) -> dict[str, Any]:
+    def run_point(self, name: str, stack: Stack, history: int, users: int, repeat: int
+                  ) -> dict[str, Any]:
+        """One run of a point: its figures (:func:`run_of`); the full results to a file.
+        Every repeat of a point sends the same text (its seed), to a fresh stack."""
         from kvtier.bench.mr_output import write_json
         from kvtier.bench.multiround import execute, load_config, options
 
@@ -265,13 +315,14 @@ class Sweep:
         base = options(_with_endpoint(point_args))
         opts = dataclasses.replace(base, model=a.served_model_name, tokenizer=self.model,
                                    metrics_url=f"{stack.url}/metrics",
-                                   load=load_config(point_args), label=f"{name} {users}u")
-        print(f"kvtier bench sweep: {name}, {users} users, history {history}",
-              file=sys.stderr, flush=True)
+                                   load=load_config(point_args),
+                                   label=f"{name} {users}u r{repeat}")
+        print(f"kvtier bench sweep: {name}, {users} users, history {history}, "
+              f"repeat {repeat}", file=sys.stderr, flush=True)
         result = execute(opts, progress=True)
-        rel = Path("points") / f"{_safe(name)}-h{history}-u{users}.json"
+        rel = Path("points") / f"{_safe(name)}-h{history}-u{users}-r{repeat}.json"
         write_json(result, self.out / rel)
-        return point_of(result, users, history, str(rel), stack)
+        return run_of(result, str(rel), stack)
 
 
 def _with_endpoint(ns: argparse.Namespace) -> argparse.Namespace:
@@ -279,8 +330,8 @@ def _with_endpoint(ns: argparse.Namespace) -> argparse.Namespace:
                                  "api_key_env": None, "api_key_file": None, "label": ""})
 
 
-def point_of(result: dict[str, Any], users: int, history: int, rel: str, stack: Stack
-             ) -> dict[str, Any]:
+def run_of(result: dict[str, Any], rel: str, stack: Stack) -> dict[str, Any]:
+    """A run's figures from its ``bench multiround`` results (``rel``: where they are)."""
     s, m = result["summary"], result["metrics"]
     error = None
     if s["requests"] and not s["ok"]:
@@ -288,8 +339,7 @@ def point_of(result: dict[str, Any], users: int, history: int, rel: str, stack: 
         error = f"every request failed: {kinds[0] if kinds else '?'}"
         if not stack.alive():
             error += "\n" + stack.log_tail(6)
-    return {"users": users, "history_tokens": history,
-            "throughput_tok_s": s["total_tok_s"] if error is None else None,
+    return {"throughput_tok_s": s["total_tok_s"] if error is None else None,
             "p99_ttft_s": m["p99_ttft"], "hit_ratio": m["hit_ratio"],
             "output_tok_s": s["output_tok_s"], "requests_per_s": s["requests_per_s"],
             "p50_ttft_s": m["p50_ttft"], "p99_itl_s": m["p99_itl"],
@@ -312,16 +362,15 @@ def _warm_up(stack: Stack, model: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench import sweep_figure
-
     if args.list_configs:
-        for spec in STACKS.values():
-            print(f"{spec.name:<12} {spec.description}")
+        print(table(None, [[s.name, s.description] for s in STACKS.values()], align="ll"))
         return 0
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for name in names:
         get_stack(name)
     users, histories = _ints(args.users, "--users"), _ints(args.history, "--history")
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat: expected at least 1 run per point, got {args.repeat}")
     if args.model:
         model = str(Path(args.model).expanduser().resolve())
     else:
@@ -334,9 +383,19 @@ def run(args: argparse.Namespace) -> int:
     doc["command"] = command(args)
     if doc["command"] not in doc.setdefault("commands", []):
         doc["commands"].append(doc["command"])  # every invocation that added points
+    doc.setdefault("invocations", []).append(invocation(args))
     sweep = Sweep(args, model, out, doc)
-    for name in names:
-        sweep.run_config(name, users, histories)
+    for repeat, name in schedule(names, args.repeat):
+        sweep.run_config(name, repeat, users, histories)
+    finish(sweep, histories)
+    return 0
+
+
+def finish(sweep: Sweep, histories: list[int]) -> None:
+    """The cliff (on the points' medians) into the JSON, the table, the figure."""
+    from kvtier.bench import sweep_figure
+
+    doc = sweep.doc
     cliffs = [sweep_figure.cliff(doc["configs"], h) for h in histories]
     doc["cliff"] = cliffs
     doc["cliff_ratio"] = cliffs[0]["cliff_ratio"]
@@ -345,8 +404,7 @@ def run(args: argparse.Namespace) -> int:
     print(sweep_figure.table_text(doc["configs"]))
     print(sweep_figure.summary_line(cliffs[0]))
     try:
-        sweep_figure.plot(doc, str(out / "sweep.png"))
+        sweep_figure.plot(doc, str(sweep.out / "sweep.png"))
     except ImportError:
         print("matplotlib is missing: no sweep.png (pip install 'kvtier[plot]')",
               file=sys.stderr)
-    return 0

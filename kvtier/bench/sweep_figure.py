@@ -1,7 +1,11 @@
 """The sweep's figure, table and cliff: throughput and p99 TTFT against sessions, per config.
 
+A point's figures are the medians of its runs (:mod:`kvtier.bench.sweep_runs`), so the cliff,
+the table and the figure's lines all read medians; with repeats the table adds each median's
+min-max and the figure draws it as error bars.
+
 The cliff, per history length, from the points that ran (by users; the peak is the highest
-throughput, the first of equal ones):
+median throughput, the first of equal ones):
 
 - ``device_half_users``: the first user count after ``device``'s peak where its throughput is
   at or below half of the peak; None when it never is in the swept range.
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
+
+from kvtier.tables import table
 
 HOLDS = 0.8
 FALLS = 0.5
@@ -88,25 +94,64 @@ def summary_line(c: Mapping[str, Any]) -> str:
 
 
 def table_text(configs: Mapping[str, Mapping[str, Any]]) -> str:
-    rows = [["config", "users", "history", "tok/s", "p99 TTFT s", "hit", "errors"]]
+    rows: list[list[str]] = []
     for name, c in configs.items():
         for p in sorted(c.get("points", []), key=lambda p: (p["history_tokens"], p["users"])):
             if p.get("error"):
-                rows.append([name, str(p["users"]), str(p["history_tokens"]), "failed",
-                             "-", "-", str(p["error"]).splitlines()[0][:100]])
+                rows.append([name, str(p["users"]), str(p["history_tokens"]), _runs(p),
+                             "failed", "-", "-", str(p["error"]).splitlines()[0][:100]])
                 continue
             hit = p.get("hit_ratio")
-            ttft = p.get("p99_ttft_s")
-            rows.append([name, str(p["users"]), str(p["history_tokens"]),
-                         f"{p['throughput_tok_s']:.0f}", "-" if ttft is None else f"{ttft:.3f}",
+            rows.append([name, str(p["users"]), str(p["history_tokens"]), _runs(p),
+                         _cell(p, "throughput_tok_s", ".0f"), _cell(p, "p99_ttft_s", ".3f"),
                          "-" if hit is None else f"{100 * hit:.0f}%", str(p.get("errors", 0))])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-                     for r in rows)
+    return table(["config", "users", "history", "runs", "tok/s", "p99 TTFT s", "hit",
+                  "errors"], rows)
+
+
+def _runs(p: Point) -> str:
+    """Runs that ran, and failed ones (a version-1 point is one run)."""
+    ok = p.get("runs_ok", 0 if p.get("error") else 1)
+    failed = p.get("failed_runs", 1 if p.get("error") else 0)
+    return f"{ok}" + (f" +{failed} failed" if failed else "")
+
+
+def _cell(p: Point, name: str, fmt: str) -> str:
+    """The median, and its min-max when more than one run made it."""
+    value = p.get(name)
+    if value is None:
+        return "-"
+    low, high = (p.get("min") or {}).get(name), (p.get("max") or {}).get(name)
+    if p.get("runs_ok", 1) > 1 and low is not None and high is not None:
+        return f"{value:{fmt}} ({low:{fmt}}-{high:{fmt}})"
+    return f"{value:{fmt}}"
+
+
+def error_bars(points: Sequence[Point], name: str) -> list[list[float]] | None:
+    """Matplotlib's ``yerr`` for the medians of ``name``: below and above each median down
+    to its min and up to its max; None when no point has more than one run."""
+    if not any(p.get("runs_ok", 1) > 1 for p in points):
+        return None
+    below, above = [], []
+    for p in points:
+        value = p.get(name)
+        low, high = (p.get("min") or {}).get(name), (p.get("max") or {}).get(name)
+        below.append(0.0 if value is None or low is None else value - low)
+        above.append(0.0 if value is None or high is None else high - value)
+    return [below, above]
 
 
 def plot(doc: Mapping[str, Any], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(doc)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(doc: Mapping[str, Any]) -> Any:
+    """Throughput and p99 TTFT against sessions: a line per configuration (and history
+    length) through the medians, with min-max error bars where points have repeats."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,10 +171,12 @@ def plot(doc: Mapping[str, Any], path: str) -> None:
                 continue
             users = [p["users"] for p in pts]
             style = styles[i % len(styles)]
-            (line,) = ax_tp.plot(users, [p["throughput_tok_s"] for p in pts], style, marker="o",
-                                 label=label)
-            ax_ttft.plot(users, [p["p99_ttft_s"] for p in pts], style, marker="o",
-                         color=line.get_color(), label=label)
+            bars = ax_tp.errorbar(users, [p["throughput_tok_s"] for p in pts],
+                                  yerr=error_bars(pts, "throughput_tok_s"), fmt=style,
+                                  marker="o", capsize=3, label=label)
+            ax_ttft.errorbar(users, [_nan(p["p99_ttft_s"]) for p in pts],
+                             yerr=error_bars(pts, "p99_ttft_s"), fmt=style, marker="o",
+                             capsize=3, color=bars.lines[0].get_color(), label=label)
     ax_tp.set(xlabel="sessions (users)", ylabel="throughput (tokens/s, in + out)",
               title="throughput")
     ax_ttft.set(xlabel="sessions (users)", ylabel="p99 TTFT (s)", title="p99 time to first token")
@@ -140,10 +187,21 @@ def plot(doc: Mapping[str, Any], path: str) -> None:
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
     ax_tp.legend(fontsize=8)
+    fig.suptitle(_title(doc))
+    fig.tight_layout()
+    return fig
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _title(doc: Mapping[str, Any]) -> str:
     ratio = doc.get("cliff_ratio")
     bound = "≥" if (doc.get("cliff") or [{}])[0].get("cliff_ratio_is_lower_bound") else ""
-    fig.suptitle("kvtier bench sweep: multi-round QA" +
-                 (f" (cliff ratio {bound}{ratio:.1f})" if ratio else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    counts = {p.get("runs_ok", 1) for c in doc["configs"].values() for p in good_points(
+        c["points"])}
+    runs = max(counts, default=1)
+    median = f"median of {'up to ' if len(counts) > 1 else ''}{runs} runs (bars: min-max)"
+    return ("kvtier bench sweep: multi-round QA" + (f", {median}" if runs > 1 else "") +
+            (f" (cliff ratio {bound}{ratio:.1f})" if ratio else ""))

@@ -64,8 +64,8 @@ def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence
         return None
     if kind == "kvtier":
         argv = [sys.executable, "-m", "kvtier", "route", "--backends", ",".join(backends),
-                "--kvtier-servers", ",".join(node_urls), "--strategy", policy,
-                "--host", host, "--port", str(port)]
+                *(["--kvtier-servers", ",".join(node_urls)] if node_urls else []),
+                "--strategy", policy, "--host", host, "--port", str(port)]
         if parts_file is not None:
             argv += ["--parts-file", str(parts_file)]
         return argv + (["--node-token-file", node_token_file] if node_token_file else [])

@@ -133,7 +133,11 @@ def test_sweep_runs_each_point_once_and_resumes(tmp_path: Path) -> None:
         for p in points:
             assert p["error"] is None and p["throughput_tok_s"] > 0 and p["p99_ttft_s"] > 0
             assert 0 < p["hit_ratio"] < 1 and p["requests"] == 2 * p["users"]
-            assert (tmp_path / "out" / p["result"]).exists()
+            (run,) = p["runs"]  # one repeat: the point's medians are its one run's figures
+            assert run["repeat"] == 1 and run["throughput_tok_s"] == p["throughput_tok_s"]
+            assert p["min"]["throughput_tok_s"] == p["max"]["throughput_tok_s"] == \
+                p["throughput_tok_s"]
+            assert (tmp_path / "out" / run["result"]).exists()
     assert doc["cliff_ratio"] is None and doc["command"].startswith("kvtier bench sweep ")
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 1000
     # a rerun starts nothing; a wider one runs only the new point

@@ -1,0 +1,39 @@
+"""Which code made a benchmark's numbers: the commit of the checkout, else the version.
+
+A figure read months later, or next to another made on another day, is only comparable when
+it says what ran; a results file records :func:`provenance` beside its command line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from kvtier.version import __version__
+
+GIT_TIMEOUT_S = 20.0
+
+
+def provenance(where: Path | None = None) -> dict[str, Any]:
+    """Which code made the numbers: the commit of the git checkout kvtier runs from (and
+    whether it had changes not committed), else only the package's version. An installed
+    copy (in ``site-packages``) has no commit, even inside some other checkout."""
+    where = where or Path(__file__).resolve().parent
+    installed = "site-packages" in where.parts or "dist-packages" in where.parts
+    commit = None if installed else _git(where, "rev-parse", "HEAD")
+    dirty = None
+    if commit is not None:
+        changes = _git(where, "--no-optional-locks", "status", "--porcelain",
+                       "--untracked-files=no")
+        dirty = None if changes is None else bool(changes)
+    return {"commit": commit, "dirty": dirty, "kvtier_version": __version__}
+
+
+def _git(where: Path, *argv: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *argv], cwd=where, capture_output=True, text=True,
+                              timeout=GIT_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
