@@ -6,7 +6,9 @@
       ├── ArenaIndex      arena slots, the chunk (Entry) in each, their eviction order
       ├── Holdings        reservations: key -> owner, deadline
       ├── LeaseTable      leases: id -> items, owner, deadline; waiters per key
-      ├── LowerTierState  per lower tier: books, policy, admission, I/O pool, breaker, speed
+      ├── LowerTierState  per lower tier: books, policy, admission, I/O pool, breaker, speed;
+      │     │             announces each change of what it holds to its listeners:
+      │     ├── EventLog  what became servable or left, per tier (engines' KV events)
       │     └── Sharing   a shared tier's books kept in step with other servers' (journal)
       ├── Writes          arena -> lower tiers (through, back, demotion), deletes; arena room
       ├── Promotions      lower tier -> arena, for leases
@@ -130,10 +132,11 @@ class TieredStore:
         self.sharing: dict[str, Sharing] = {}
         """Per shared tier (by name): its journal, sweeps and heartbeats."""
         for state in self.tiers:
+            state.subscribe(self.events)
             if state.tier.shared:
                 sharing = Sharing(state, self.instance, self.apply, self._reading,
                                   self._swept, self.keyring, self._untrusted)
-                state.share(sharing)
+                state.subscribe(sharing)
                 self.sharing[state.name] = sharing
                 sharing.start()
         self._set_gauges()
@@ -145,8 +148,7 @@ class TieredStore:
             self._breaker_changed(config.name, old, new, reason)
 
         try:
-            return LowerTierState(config, self.config.arena.slot_bytes, self.clock, on_change,
-                                  events=self.events)
+            return LowerTierState(config, self.config.arena.slot_bytes, self.clock, on_change)
         except ConfigError as exc:
             raise ConfigError(f"tiers[{index}]: {exc}") from exc
 

@@ -1,7 +1,8 @@
 """What the store stored and removed, per tier, for the engines' KV-event streams.
 
-The arena's books and each lower tier's books append to one bounded log as their state
-changes (a chunk becomes servable in a tier, or leaves it); an engine client reads it
+The arena's books append to one bounded log as their state changes (a chunk becomes
+servable in a tier, or leaves it), and so does each lower tier's, as a listener of its books
+(:meth:`EventLog.tier_changed`, :mod:`kvtier.store.changes`); an engine client reads it
 incrementally (:class:`~kvtier.protocol.Events`) and republishes it in its engine's own
 event format, so routers that follow engine events see kvtier's tiers too::
 
@@ -19,6 +20,7 @@ from collections import deque
 from typing import NamedTuple
 
 from kvtier.keys import ChunkKey
+from kvtier.store.changes import Change, TierChange
 
 STORED = "stored"
 REMOVED = "removed"
@@ -39,6 +41,14 @@ class EventLog:
 
     def add(self, op: str, tier: str, namespace: bytes, key: ChunkKey) -> None:
         self._events.append(Event(next(self._seq), op, tier, namespace, key))
+
+    def tier_changed(self, change: TierChange) -> None:
+        """A lower tier's books changed: a chunk added is STORED there, one removed is
+        REMOVED, whatever the change's origin (deletes and hits are not events)."""
+        if change.change is Change.ADDED:
+            self.add(STORED, change.tier, change.namespace, change.key)
+        elif change.change is Change.REMOVED:
+            self.add(REMOVED, change.tier, change.namespace, change.key)
 
     def since(self, seq: int, limit: int, namespace: bytes | None = None
               ) -> tuple[list[Event], int, bool]:

@@ -18,16 +18,17 @@ the change is logged once (not once per chunk).
 The books change only through the methods here: a write is promised room
 (:meth:`LowerTierState.make_room`), then either :meth:`stored` or :meth:`release`-d; an evicted
 chunk is marked deleting until its delete ran (:meth:`mark_deleting`, :meth:`deleted`,
-:meth:`clear_deleting`). What this server changes on a shared tier is told to its journal
-(:class:`Journal`, attached with :meth:`share`); what came from the other servers' journals
-(:meth:`index`, :meth:`forget`) is not told back.
+:meth:`clear_deleting`). Each change of what the tier holds (added, removed, deleted, used)
+is announced to the listeners subscribed by the store (:meth:`subscribe`; the event log, and
+a shared tier's journal), with its origin: this server's own (``HERE``), a peer's journal
+record or a listing (:meth:`index`, :meth:`forget` say which), so the journal can leave out
+what it must not echo (:mod:`kvtier.store.changes`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Iterable
-from typing import Protocol
 
 from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
@@ -35,8 +36,8 @@ from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
 from kvtier.policies import AdmissionPolicy, EvictionPolicy
 from kvtier.store.breaker import CircuitBreaker, OnChange
+from kvtier.store.changes import Change, Origin, TierChange, TierListener
 from kvtier.store.estimate import ReadEstimate
-from kvtier.store.events import REMOVED, STORED, EventLog
 from kvtier.store.iopool import IOPool
 from kvtier.store.placement import TierBooks
 from kvtier.tiers import TIERS, LowerTier, Space
@@ -48,23 +49,10 @@ FULL_COOL_DOWN_S = 5.0
 (the interval at which file tiers' free space is read)."""
 
 
-class Journal(Protocol):
-    """What this server tells the other servers of a shared tier
-    (:class:`kvtier.store.sharing.Sharing`), under the store lock."""
-
-    def wrote(self, key: ChunkKey, namespace: bytes, size: int) -> None: ...
-
-    def deleted(self, key: ChunkKey, namespace: bytes) -> None: ...
-
-    def used(self, key: ChunkKey, namespace: bytes) -> None: ...
-
-
 class LowerTierState:
     def __init__(self, config: TierConfig, chunk_bytes_hint: int, clock: Callable[[], float],
-                 on_breaker_change: OnChange, tier: LowerTier | None = None,
-                 events: EventLog | None = None) -> None:
+                 on_breaker_change: OnChange, tier: LowerTier | None = None) -> None:
         self.config = config
-        self.events = events
         self.name = config.name
         self.tier = tier or TIERS[config.type].from_config(config.name, config)
         self.clock = clock
@@ -91,12 +79,19 @@ class LowerTierState:
         """Set while a tier without ``space()`` is held to what it has (see learn_space)."""
         self.rescan = False
         """The listing at start failed: list the tier once its breaker closes again."""
-        self.sharing: Journal | None = None
-        """For a shared tier: what keeps these books in step with the other servers'."""
+        self.listeners: list[TierListener] = []
+        """Told each change of what the tier holds (:meth:`subscribe`)."""
 
-    def share(self, journal: Journal) -> None:
-        """Tell ``journal`` what this server writes, deletes and uses on the tier."""
-        self.sharing = journal
+    def subscribe(self, listener: TierListener) -> None:
+        """Tell ``listener`` every change of what the tier holds from now on."""
+        self.listeners.append(listener)
+
+    def _announce(self, change: Change, origin: Origin, key: ChunkKey, namespace: bytes,
+                  size: int = 0) -> None:
+        if self.listeners:
+            told = TierChange(change, origin, self.name, key, namespace, size)
+            for listener in self.listeners:
+                listener.tier_changed(told)
 
     def __contains__(self, key: object) -> bool:
         return key in self.books.sizes
@@ -191,8 +186,9 @@ class LowerTierState:
         victims: list[tuple[ChunkKey, bytes]] = []
         for raw in chosen:
             key = ChunkKey(raw)  # type: ignore[arg-type]
-            victims.append((key, self.namespaces.pop(key)))
-            self._event(REMOVED, victims[-1][1], key)
+            namespace = self.namespaces.pop(key)
+            victims.append((key, namespace))
+            self._announce(Change.REMOVED, Origin.HERE, key, namespace)
         return victims
 
     def touch(self, key: ChunkKey) -> None:
@@ -208,10 +204,8 @@ class LowerTierState:
 
     def stored(self, key: ChunkKey, size: int, promised: int, priority: int,
                namespace: bytes) -> None:
-        """This server's write of ``key`` finished: in the books, and told to the journal."""
-        self.added(key, size, promised, priority, namespace)
-        if self.sharing is not None:
-            self.sharing.wrote(key, namespace, size)
+        """This server's write of ``key`` finished: in the books (announced as added here)."""
+        self._add(key, size, promised, priority, namespace, Origin.HERE)
 
     def mark_deleting(self, key: ChunkKey) -> None:
         """A delete of ``key`` (already out of the books) is queued: no write until it ran."""
@@ -222,29 +216,33 @@ class LowerTierState:
         self.books.clear_deleting(key)
 
     def deleted(self, key: ChunkKey, namespace: bytes) -> None:
-        """The queued delete of ``key`` ran: told to the journal."""
+        """The queued delete of ``key`` ran (announced as deleted here)."""
         self.books.clear_deleting(key)
-        if self.sharing is not None:
-            self.sharing.deleted(key, namespace)
+        self._announce(Change.DELETED, Origin.HERE, key, namespace)
 
     def lost(self, key: ChunkKey) -> None:
-        """A read found ``key`` missing or corrupt (quarantined): out of the books, and
-        told to the journal."""
-        namespace = self.forget(key)
-        if namespace is not None and self.sharing is not None:
-            self.sharing.deleted(key, namespace)
+        """A read found ``key`` missing or corrupt (quarantined): out of the books, and, if
+        it was held, announced as deleted here."""
+        namespace = self.forget(key, origin=Origin.HERE)
+        if namespace is not None:
+            self._announce(Change.DELETED, Origin.HERE, key, namespace)
+
+    def swept(self, key: ChunkKey, namespace: bytes) -> None:
+        """This server's sweeper deleted ``key`` from the tier: out of the books (if held)
+        and announced as deleted here."""
+        self.forget(key, origin=Origin.HERE)
+        self._announce(Change.DELETED, Origin.HERE, key, namespace)
 
     def hit(self, key: ChunkKey, namespace: bytes) -> None:
-        """A chunk read from the tier: told to the journal (the others' recency)."""
-        if self.sharing is not None:
-            self.sharing.used(key, namespace)
+        """A chunk read from the tier (announced as used here: the others' recency)."""
+        self._announce(Change.USED, Origin.HERE, key, namespace)
 
     def unlisted(self, reason: str) -> None:
         """The listing at start failed: bypass the tier until a probe passes, then list it
         again (a node-local tier by a rescan; a shared one relists on its own once it
         falls behind its journal)."""
         self.breaker.trip(reason)
-        self.rescan = self.sharing is None
+        self.rescan = not self.tier.shared
 
     def start_rescan(self) -> None:
         self.rescan = False
@@ -253,31 +251,30 @@ class LowerTierState:
         """The rescan failed or was given up: try again once the tier is available."""
         self.rescan = True
 
-    def added(self, key: ChunkKey, size: int, promised: int, priority: int,
-              namespace: bytes, parent: ChunkKey | None = None) -> None:
-        """A write of ``key`` finished: account it and make it evictable (``parent``: the
-        chunk before it in its prefix chain, a policy hint, when the caller knows it)."""
-        if key in self.books:  # indexed meanwhile (e.g. found by a listing)
-            self.forget(key)
-        self.books.add(key, size, promised, priority, parent)
+    def _add(self, key: ChunkKey, size: int, promised: int, priority: int,
+             namespace: bytes, origin: Origin) -> None:
+        """Account ``key`` and make it evictable (one held already, e.g. found by a listing
+        meanwhile, is removed first and added again as new)."""
+        if key in self.books:
+            self.forget(key, origin=origin)
+        self.books.add(key, size, promised, priority)
         self.namespaces[key] = self._interned.setdefault(namespace, namespace)
-        self._event(STORED, namespace, key)
+        self._announce(Change.ADDED, origin, key, namespace, size)
 
-    def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
-        """A chunk found in the tier (restart scan): account it, oldest first."""
-        self.added(key, size, 0, priority, namespace)
+    def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes,
+              origin: Origin = Origin.LISTING) -> None:
+        """A chunk found in the tier (a listing; ``PEER``: another server's journal record
+        says it wrote it): account it, oldest first."""
+        self._add(key, size, 0, priority, namespace, origin)
 
-    def forget(self, key: ChunkKey) -> bytes | None:
-        """Drop ``key`` from the books (deleted, corrupt, missing); returns its namespace."""
+    def forget(self, key: ChunkKey, *, origin: Origin) -> bytes | None:
+        """Drop ``key`` from the books (deleted, corrupt, missing; ``origin``: who says so);
+        returns its namespace, ``None`` if it was not held."""
         if not self.books.forget(key):
             return None
         namespace = self.namespaces.pop(key)
-        self._event(REMOVED, namespace, key)
+        self._announce(Change.REMOVED, origin, key, namespace)
         return namespace
-
-    def _event(self, op: str, namespace: bytes, key: ChunkKey) -> None:
-        if self.events is not None:
-            self.events.add(op, self.name, namespace, key)
 
     def learn_space(self, space: Space | None, full: bool = False) -> None:
         """Never promise more than the filesystem can hold (``full``: a write just failed
@@ -331,7 +328,7 @@ class LowerTierState:
         self.books.check_integrity()
         if self.sizes.keys() != self.namespaces.keys():
             raise IntegrityError(f"tier {self.name}: index and namespaces disagree")
-        over = self.used + self.reserved > self.configured and self.sharing is None
+        over = self.used + self.reserved > self.configured and not self.tier.shared
         if over or self.reserved < 0:  # a shared tier's books also hold others' writes
             raise IntegrityError(
                 f"tier {self.name}: used {self.used} + reserved {self.reserved} exceeds "

@@ -15,6 +15,11 @@ room it deletes the chunks all of them would pick, and the total stays within
 the smallest id among fresh heartbeats also sweeps (:mod:`kvtier.store.sweeper`): namespace
 budgets, old journal notes, temporary objects of killed writers.
 
+This server's writes, deletes and hits reach the outbox as a listener of the tier's books
+(:meth:`Sharing.tier_changed`, :mod:`kvtier.store.changes`): only changes made ``HERE`` are
+recorded, so what was applied from the others' notes (``PEER``) or a listing is never
+echoed back.
+
 A thread per shared tier keeps the time; every I/O runs as a job on the tier's pool (bounded
 by ``io_timeout_s``, counted by the breaker) or, for the long sweep, on a pool of its own.
 Journal I/O is skipped while the breaker is open; a server that fell further behind than
@@ -45,6 +50,7 @@ from kvtier.auth import Keyring
 from kvtier.errors import NoteTooLarge, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
+from kvtier.store.changes import Change, Origin, TierChange
 from kvtier.store.iopool import IOPool, Job
 from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
@@ -133,13 +139,19 @@ class Sharing:
 
     # ------------------------------------------------------------------ under the store lock
 
-    def wrote(self, key: ChunkKey, namespace: bytes, size: int) -> None:
-        self._add(journal.Record("+", namespace, key, size))
+    def tier_changed(self, change: TierChange) -> None:
+        """A change of the tier's books: this server's own are recorded for the others; a
+        peer's or a listing's are theirs already (never echoed back)."""
+        if change.origin is not Origin.HERE:
+            return
+        if change.change is Change.ADDED:
+            self._add(journal.Record("+", change.namespace, change.key, change.size))
+        elif change.change is Change.DELETED:
+            self._add(journal.Record("-", change.namespace, change.key))
+        elif change.change is Change.USED:
+            self._used(change.key, change.namespace)
 
-    def deleted(self, key: ChunkKey, namespace: bytes) -> None:
-        self._add(journal.Record("-", namespace, key))
-
-    def used(self, key: ChunkKey, namespace: bytes) -> None:
+    def _used(self, key: ChunkKey, namespace: bytes) -> None:
         """A hit: tell the others (and the backend's recency) at most once per interval."""
         now = time.monotonic()
         last = self._touched.get(key)
@@ -162,16 +174,17 @@ class Sharing:
             self.dropped += 1
 
     def apply_records(self, records: list[journal.Record]) -> None:
-        """Another server's records, already validated (lock held; at most APPLY_BATCH)."""
+        """Another server's records, already validated (lock held; at most APPLY_BATCH);
+        their changes are the peer's (``PEER``), not recorded here again."""
         state = self.state
         for r in records:
             if r.op == "+":
                 if r.key in state:
                     state.touch(r.key)
                 elif r.key not in state.deleting:
-                    state.index(r.key, r.size, 35, r.namespace)
+                    state.index(r.key, r.size, 35, r.namespace, Origin.PEER)
             elif r.op == "-":
-                state.forget(r.key)
+                state.forget(r.key, origin=Origin.PEER)
             else:
                 state.touch(r.key)
 
@@ -416,13 +429,13 @@ class Sharing:
 
     def _forget_swept(self, chunks: list[StoredChunk]) -> None:
         for chunk in chunks:
-            self.state.forget(chunk.key)
-            self.deleted(chunk.key, chunk.namespace)
+            self.state.swept(chunk.key, chunk.namespace)
 
 
 def _forget(state: LowerTierState, keys: list[ChunkKey]) -> None:
+    """Chunks a fresh listing no longer finds."""
     for key in keys:
-        state.forget(key)
+        state.forget(key, origin=Origin.LISTING)
 
 
 def _index(state: LowerTierState, chunks: list[StoredChunk]) -> None:

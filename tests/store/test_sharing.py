@@ -36,6 +36,7 @@ from kvtier.errors import TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore, journal
 from kvtier.store.breaker import BreakerState
+from kvtier.store.changes import Origin
 from kvtier.store.housekeeping import probe_key, probe_tier
 from kvtier.store.records import ItemState
 from kvtier.store.sharing import MAX_TO_TOUCH, TOUCH_BATCH, Sharing
@@ -192,16 +193,16 @@ def test_a_server_that_fell_behind_lists_the_tier_again(tmp_path: Path,
     folder = tmp_path / "volume"
     a = server(make_store, tmp_path, folder, "a")
     b = server(make_store, tmp_path, folder, "b")
-    sharing = b.tiers[0].sharing
-    assert sharing is not None
+    sharing = b.sharing["shared"]
     k = keys(2)
     store_chunks(a, k)
     settle(a)
     journal_folder = folder / "notes" / "journal"
     assert wait_until(lambda: journal_folder.exists() and bool(os.listdir(journal_folder)))
     assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 5.0)
-    b.tiers[0].forget(k[0])  # b misses one record, then its journal is gone
-    b.tiers[0].forget(k[1])
+    with b._locked("test"):  # b misses one record, then its journal is gone
+        b.tiers[0].forget(k[0], origin=Origin.PEER)
+        b.tiers[0].forget(k[1], origin=Origin.PEER)
     for name in os.listdir(journal_folder):  # as if the sweeper deleted them
         os.unlink(folder / "notes" / "journal" / name)
     assert b.lookup(k) == []
@@ -250,9 +251,7 @@ class SlowTouchFs(FsTier):
 
 
 def sharing_of(store: TieredStore) -> Sharing:
-    sharing = store.tiers[0].sharing
-    assert sharing is not None
-    return sharing
+    return store.sharing[store.tiers[0].name]
 
 
 def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
@@ -270,7 +269,7 @@ def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
     hits = keys(MAX_TO_TOUCH + 5, "hit")
     with store._locked("test"):
         for key in hits:
-            sharing.used(key, NS)
+            state.hit(key, NS)
         assert len(sharing._to_touch) == MAX_TO_TOUCH, "the oldest are dropped"
         assert sharing.touches_dropped == 5
         while len(sharing._to_touch) > TOUCH_BATCH:  # one batch: ~1.3 s, 5 ms a touch
@@ -373,8 +372,8 @@ def test_a_chunk_larger_than_this_servers_slot_is_a_miss_not_corruption(
         store_chunks(big, k, n=SLOT_BYTES + 1000)  # fits only the big server's slots
         settle(big)
         state = small.tiers[0]
-        assert state.sharing is not None
-        assert wait_until(lambda: state.sharing.rejected.get("journal_record") == 1, 3.0), \
+        sharing = small.sharing[state.name]
+        assert wait_until(lambda: sharing.rejected.get("journal_record") == 1, 3.0), \
             "its journal record is dropped: no slot here can take it"
         assert k[0] not in state and small.lookup(k) == [], "so it is not offered"
         with small._locked("test"):  # books that disagree with the tier: the read decides

@@ -134,8 +134,7 @@ def put_journal(store: TieredStore, records: list[list[Any]], *, server: str = "
 
 
 def rejected(store: TieredStore, what: str) -> int:
-    sharing = store.tiers[0].sharing
-    assert sharing is not None
+    sharing = store.sharing[store.tiers[0].name]
     return sharing.rejected.get(what, 0)
 
 
@@ -211,8 +210,8 @@ def test_a_future_heartbeat_wins_nothing_and_is_swept(servers: Servers) -> None:
     gone = {forged, f"{SERVERS}0001", future, odd}
     assert wait_until(lambda: not gone & set(tier.list_notes("servers/")
                                              + tier.list_notes(journal.PREFIX)), 5.0)
-    sharing = a.tiers[0].sharing
-    assert sharing is not None and sharing._cursor_ms <= time.time() * 1000, \
+    sharing = a.sharing[a.tiers[0].name]
+    assert sharing._cursor_ms <= time.time() * 1000, \
         "the future note (read or swept first) never moved the journal cursor ahead"
     a.check_integrity()
 
