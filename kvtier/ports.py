@@ -10,11 +10,10 @@ still take one before its server binds it: the services retry their start with f
 A plan of derived ports (``P``, ``P+1+i``, ``P+101+i``) is checked before anything starts,
 each one named.
 
-A port can also be busy for a while without any server on it: an outgoing connection takes
-its local port from the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by
-default), and once closed that port stays in TIME_WAIT for 60 s, during which no server can
-bind it, ``SO_REUSEADDR`` or not. A part restarted on a port in that range can meet this;
-:func:`wait_bindable` waits it out, and fails at once only when a server listens there.
+The ephemeral range is ``ip_local_port_range`` (32768-60999 by default); a closed outgoing
+connection keeps its port in TIME_WAIT for 60 s, during which no server can bind it,
+``SO_REUSEADDR`` or not. A part restarted on a port in that range (a user's ``--port``) can
+meet this: :func:`wait_bindable` waits it out, and fails at once only when a server listens.
 """
 
 from __future__ import annotations
@@ -27,6 +26,8 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
+
+import psutil
 
 from kvtier.errors import ConfigError
 
@@ -71,21 +72,9 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def listening(port: int) -> bool:
-    """Whether a TCP socket of any process on this host listens on ``port`` (any address),
-    from ``/proc/net/tcp`` and ``tcp6``; False where those cannot be read."""
-    wanted = f"{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)  # the header
-                for line in f:
-                    fields = line.split()
-                    if (len(fields) > 3 and fields[3] == "0A"  # TCP_LISTEN
-                            and fields[1].rpartition(":")[2] == wanted):
-                        return True
-        except OSError:
-            continue
-    return False
+    """Whether a TCP socket of any process on this host listens on ``port`` (any address)."""
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in psutil.net_connections(kind="tcp"))
 
 
 def wait_bindable(port: int, what: str, host: str = "127.0.0.1",
@@ -167,11 +156,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_base(offsets: Iterable[int], host: str = "127.0.0.1") -> int:
-    """A port ``P`` such that every ``P + offset`` is free and at most 65535."""
+    """A port ``P`` such that every ``P + offset`` is free, at most 65535 and, as ``P`` is,
+    outside the ephemeral range (a part restarted on it never meets a connection's TIME_WAIT)."""
     offsets = sorted(set(offsets))
+    first, last = ephemeral_range()
     for _ in range(_ATTEMPTS):
         base = free_port(host)
-        if base + offsets[-1] <= MAX_PORT and all(port_free(base + k, host) for k in offsets):
+        ports = [base + k for k in offsets]
+        if (ports[-1] <= MAX_PORT and not any(first <= p <= last for p in ports)
+                and all(port_free(p, host) for p in ports)):
             return base
     raise ConfigError(f"no free port P with P + each of {offsets} free too, after "
                       f"{_ATTEMPTS} tries")

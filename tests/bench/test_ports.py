@@ -148,3 +148,10 @@ def test_a_free_port_is_bindable_at_once() -> None:
     wait_bindable(port, "a part", timeout_s=0.5)
     low, high = ephemeral_range()
     assert 1 <= low <= high <= MAX_PORT
+
+
+def test_a_base_and_its_derived_ports_stay_outside_the_ephemeral_range() -> None:
+    low, high = ephemeral_range()
+    for _ in range(20):
+        base = free_base((0, 1, 2, 101, 102))
+        assert not any(low <= base + k <= high for k in (0, 1, 2, 101, 102))

@@ -4,9 +4,7 @@ output captured in a file, stopped with SIGINT (a Ctrl-C) by its process id."""
 from __future__ import annotations
 
 import json
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,28 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.ports import ephemeral_range
+from kvtier.ports import free_base
 
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "10240",
                "--num-gpu-blocks-override", "96", "--arena-size", "256MiB"]
-
-
-def free_base(n: int) -> int:
-    """A port P with P..P+n and P+101..P+100+n free on loopback, all below the kernel's
-    ephemeral range: a restarted part must not find its port held by an outgoing
-    connection's TIME_WAIT (kvtier.ports)."""
-    top = min(40000, ephemeral_range()[0]) - 200
-    for _ in range(200):
-        base = random.randrange(20000, top)
-        ports = [base + i for i in range(n + 1)] + [base + 101 + i for i in range(n)]
-        try:
-            for port in ports:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 @dataclass
@@ -74,7 +54,8 @@ class RunningStack:
 
 
 def start_stack(root: Path, *args: str, instances: int = 2) -> RunningStack:
-    port = free_base(instances)
+    # the router on P, the instances on P+1.., their node servers on P+101..
+    port = free_base([*range(instances + 1), *range(101, 101 + instances)])
     run_dir = root / "run"
     cmd = [sys.executable, "-m", "kvtier", "serve", "--instances", str(instances),
            "--port", str(port), "--run-dir", str(run_dir), *args, *ENGINE_ARGS]
