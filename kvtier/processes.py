@@ -23,7 +23,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
@@ -96,30 +96,39 @@ def wait_group_gone(pgid: int, timeout_s: float) -> bool:
 
 def spawn(argv: Sequence[str], *, out: IO[bytes] | IO[str] | None = None,
           env: Mapping[str, str] | None = None, cwd: Path | None = None,
-          death_signal: int | None = signal.SIGTERM) -> subprocess.Popen[bytes]:
+          death_signal: int | None = signal.SIGTERM,
+          cpus: Collection[int] | None = None) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a session (and process group) of its own, stdin from /dev/null,
     stdout and stderr to ``out`` (None: this process's). ``death_signal``: what the kernel
-    sends it when the thread that started it ends (None: nothing). Raises OSError when
-    ``argv[0]`` cannot be run."""
+    sends it when the thread that started it ends (None: nothing). ``cpus``: the only CPUs
+    it and what it starts may run on, set before it runs (None: this process's). Raises
+    OSError when ``argv[0]`` cannot be run, ValueError when ``cpus`` is empty."""
+    if cpus is not None and not cpus:
+        raise ValueError("cpus: give at least one CPU, or None for this process's")
     return subprocess.Popen(
         list(argv), stdin=subprocess.DEVNULL, stdout=out,
         stderr=subprocess.STDOUT if out is not None else None,
         env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
-        preexec_fn=_die_with_parent(death_signal) if death_signal else None)
+        preexec_fn=_before_exec(death_signal, cpus) if death_signal or cpus else None)
 
 
-def _die_with_parent(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that asks the kernel for ``sig`` when the parent dies; if the parent
-    died before the request was made, the child signals itself at once."""
+def _before_exec(sig: int | None, cpus: Collection[int] | None) -> Callable[[], None]:
+    """A ``preexec_fn``: bind the child to ``cpus``, and ask the kernel for ``sig`` when the
+    parent dies (if the parent died before the request was made, the child signals itself
+    at once)."""
     parent = os.getpid()
     libc = ctypes.CDLL(None, use_errno=True)  # looked up before the fork, not in the child
+    mask = frozenset(cpus) if cpus else None
 
-    def request() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            libc.prctl(_PR_SET_PDEATHSIG, sig)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
-    return request
+    def before_exec() -> None:
+        if mask is not None:
+            os.sched_setaffinity(0, mask)  # an error here fails the start, naming it
+        if sig:
+            with contextlib.suppress(OSError, AttributeError):
+                libc.prctl(_PR_SET_PDEATHSIG, sig)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), sig)
+    return before_exec
 
 
 # ---------------------------------------------------------------- stopping
@@ -231,8 +240,10 @@ class Child:
     @classmethod
     def start(cls, name: str, argv: Sequence[str], log: Path, *,
               env: Mapping[str, str] | None = None, cwd: Path | None = None,
-              death_signal: int | None = signal.SIGTERM, header: str = "") -> Child:
-        """Start ``argv``; ``header`` is written to the log first (a line saying who starts)."""
+              death_signal: int | None = signal.SIGTERM, header: str = "",
+              cpus: Collection[int] | None = None) -> Child:
+        """Start ``argv`` (:func:`spawn`); ``header`` is written to the log first (a line
+        saying who starts)."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             start = out.tell()
@@ -240,7 +251,7 @@ class Child:
                 out.write(header.encode())
                 out.flush()
             popen = spawn(argv, out=out, env=env if env is not None else os.environ,
-                          cwd=cwd, death_signal=death_signal)
+                          cwd=cwd, death_signal=death_signal, cpus=cpus)
         return cls(name, popen, log, start, tuple(argv))
 
     @property

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.processes import (
     Child,
     alive,
@@ -107,3 +109,23 @@ def test_a_childs_output_is_this_runs_only(tmp_path: Path) -> None:
     assert child.output() == "--- start echo\nthis run\n"
     assert child.tail(5) == "an earlier run\n--- start echo\nthis run"
     assert child.argv == ("echo", "this run")
+
+
+def test_a_child_bound_to_cpus_runs_there_and_so_does_what_it_starts(tmp_path: Path) -> None:
+    """``cpus`` is set before the child runs a line of its own, and its children inherit it:
+    a kvtier instance imports torch, whose MKL pins it to each allowed core in turn."""
+    mine = sorted(os.sched_getaffinity(0))
+    one = mine[-1]
+    script = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
+              "print(subprocess.run([sys.executable, '-c', "
+              "'import os; print(sorted(os.sched_getaffinity(0)))'], "
+              "capture_output=True, text=True).stdout.strip())")
+    child = Child.start("bound", [sys.executable, "-c", script], tmp_path / "log", cpus={one})
+    assert child.wait_stopped(time.monotonic() + 60) == 0
+    assert child.output().split() == [f"[{one}]", f"[{one}]"]
+    assert sorted(os.sched_getaffinity(0)) == mine  # the parent's own is untouched
+
+
+def test_no_cpus_at_all_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="cpus"):
+        spawn([sys.executable, "-c", "pass"], cpus=set())

@@ -2,19 +2,20 @@
 
 A configuration is a name, a line of description and a *starter*: a function that takes the
 settings every configuration shares (:class:`StackEnv`: model, engine flags, sizes, a fresh
-work folder) and returns a running :class:`Stack` (its URL and processes). Adding one is a few
-lines::
+work folder) and returns a :class:`StartedConfig` (its URL and processes). Adding one is a
+few lines::
 
-    def _start_mine(env: StackEnv) -> Stack:
+    def _start_mine(env: StackEnv) -> StartedConfig:
         port = free_port()
         return launch(env, [engine(env, "vllm", [...vLLM command...], port)], port)
 
     register_stack("mine", "what it is", _start_mine)
 
 Every process runs in its own session (process group) with its output in the work folder
-(:class:`kvtier.processes.Child`); ``Stack.stop`` sends SIGTERM to each group it started (last
-started first), whether or not its leader is still alive, and SIGKILL to what is left after
-a grace period.
+(:class:`kvtier.processes.Child`); ``StartedConfig.stop`` sends SIGTERM to each group it
+started (last started first), whether or not its leader is still alive, and SIGKILL to what
+is left after a grace period. (Not to be confused with :class:`kvtier.launch.stack.Stack`,
+the supervised stack of ``kvtier serve --instances``, which a configuration may start.)
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ class ProcSpec:
     argv: list[str]
     ready: Callable[[], bool]
     env: dict[str, str] = field(default_factory=dict)
+    cpus: frozenset[int] | None = None
+    """The only CPUs it may run on (None: any)."""
 
 
 @dataclass
-class Stack:
+class StartedConfig:
     url: str
     procs: list[Child]
     stop_timeout_s: float = 60.0
@@ -88,13 +91,13 @@ class Stack:
 class StackSpec:
     name: str
     description: str
-    start: Callable[[StackEnv], Stack]
+    start: Callable[[StackEnv], StartedConfig]
 
 
 STACKS: dict[str, StackSpec] = {}
 
 
-def register_stack(name: str, description: str, start: Callable[[StackEnv], Stack]) -> None:
+def register_stack(name: str, description: str, start: Callable[[StackEnv], StartedConfig]) -> None:
     if name in STACKS:
         raise ConfigError(f"stack {name!r} is registered twice")
     STACKS[name] = StackSpec(name, description, start)
@@ -128,20 +131,21 @@ def tcp_ready(port: int) -> Callable[[], bool]:
     return ready
 
 
-def engine(name: str, argv: list[str], port: int, env: dict[str, str] | None = None
-           ) -> ProcSpec:
+def engine(name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
+           cpus: frozenset[int] | None = None) -> ProcSpec:
     """An OpenAI-compatible server on ``port``, ready when it lists its models."""
-    return ProcSpec(name, argv, http_ready(f"http://127.0.0.1:{port}/v1/models"), env or {})
+    return ProcSpec(name, argv, http_ready(f"http://127.0.0.1:{port}/v1/models"), env or {},
+                    cpus)
 
 
-def launch(env: StackEnv, specs: Sequence[ProcSpec], port: int) -> Stack:
+def launch(env: StackEnv, specs: Sequence[ProcSpec], port: int) -> StartedConfig:
     """Start ``specs`` in order, each once the previous one is ready."""
     env.workdir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(f"http://127.0.0.1:{port}", [], env.stop_timeout_s)
+    stack = StartedConfig(f"http://127.0.0.1:{port}", [], env.stop_timeout_s)
     try:
         for spec in specs:
             proc = Child.start(spec.name, spec.argv, env.workdir / f"{spec.name}.log",
-                               env={**os.environ, **env.env, **spec.env})
+                               env={**os.environ, **env.env, **spec.env}, cpus=spec.cpus)
             stack.procs.append(proc)
             _wait(spec, proc, env.ready_timeout_s)
     except BaseException:
@@ -197,29 +201,29 @@ def _kvtier(env: StackEnv, port: int, disk: bool) -> list[str]:
     return [*argv, *env.engine_args]
 
 
-def _start_device(env: StackEnv) -> Stack:
+def _start_device(env: StackEnv) -> StartedConfig:
     port = free_port()
     return launch(env, [engine("vllm", _vllm(env, port), port)], port)
 
 
-def _start_arena(env: StackEnv) -> Stack:
+def _start_arena(env: StackEnv) -> StartedConfig:
     port = free_port()
     return launch(env, [engine("kvtier-serve", _kvtier(env, port, disk=False), port)], port)
 
 
-def _start_arena_disk(env: StackEnv) -> Stack:
+def _start_arena_disk(env: StackEnv) -> StartedConfig:
     port = free_port()
     return launch(env, [engine("kvtier-serve", _kvtier(env, port, disk=True), port)], port)
 
 
-def _start_noop(env: StackEnv) -> Stack:
+def _start_noop(env: StackEnv) -> StartedConfig:
     port = free_port()
     transfer = {"kv_connector": "NoopConnector", "kv_connector_module_path": "kvtier.vllm.noop",
                 "kv_role": "kv_both"}
     return launch(env, [engine("vllm-noop", _vllm(env, port, transfer=transfer), port)], port)
 
 
-def _start_example(env: StackEnv) -> Stack:
+def _start_example(env: StackEnv) -> StartedConfig:
     port = free_port()
     transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path":
@@ -228,7 +232,7 @@ def _start_example(env: StackEnv) -> Stack:
                   port)
 
 
-def _start_lmcache(env: StackEnv) -> Stack:
+def _start_lmcache(env: StackEnv) -> StartedConfig:
     from kvtier.bench.peers import ensure_lmcache
 
     python = str(ensure_lmcache(log_file=env.workdir.parent / "lmcache-install.log"))
@@ -245,7 +249,7 @@ def _start_lmcache(env: StackEnv) -> Stack:
     return launch(env, [server, vllm], port)
 
 
-def _start_arena_shared(env: StackEnv) -> Stack:
+def _start_arena_shared(env: StackEnv) -> StartedConfig:
     """One instance whose only lower tier is a shared fs tier (as a node of a fleet would)."""
     port = free_port()
     config = env.workdir / "server.yaml"
@@ -261,9 +265,9 @@ def _start_arena_shared(env: StackEnv) -> Stack:
     return launch(env, [engine("kvtier-serve", argv, port)], port)
 
 
-def _two_instances(router: str, policy: str) -> Callable[[StackEnv], Stack]:
+def _two_instances(router: str, policy: str) -> Callable[[StackEnv], StartedConfig]:
     """``kvtier serve --instances 2`` (one core each, one shared fs tier) behind ``router``."""
-    def start(env: StackEnv) -> Stack:
+    def start(env: StackEnv) -> StartedConfig:
         # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102
         port = ports.free_base((0, 1, 2, 101, 102))
         extra: list[str] = []
@@ -286,18 +290,21 @@ def plain_fleet_specs(env: StackEnv, n: int, router: str, policy: str, port: int
                       vllm_router: Path | None = None) -> list[ProcSpec]:
     """``n`` plain vLLM instances (no connector: the ``device`` configuration's command) on
     ``port+1`` .. ``port+n``, each bound to a core of its own on the CPU build as ``kvtier
-    serve --instances`` binds its instances, then ``router`` (``kvtier`` or
-    ``vllm-router``, :func:`kvtier.launch.front.router_argv`) with ``policy`` on ``port``."""
+    serve --instances`` binds its instances (:func:`kvtier.launch.plan.instance_cpu`), then
+    ``router`` (``kvtier`` or ``vllm-router``, :func:`kvtier.launch.front.router_argv`) with
+    ``policy`` on ``port``."""
     from kvtier.launch.front import router_argv
-    from kvtier.launch.plan import is_cpu_build
-    from kvtier.launch.stack_options import cores
+    from kvtier.launch.plan import instance_cpu
 
-    bind = is_cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     specs = []
     for i in range(n):
         own = port + 1 + i
-        core = {"VLLM_CPU_OMP_THREADS_BIND": str(i % cores())} if bind else {}
-        specs.append(engine(f"vllm-{i}", _vllm(env, own), own, core))
+        cpu = instance_cpu(i)
+        if cpu is None:
+            specs.append(engine(f"vllm-{i}", _vllm(env, own), own))
+        else:
+            specs.append(engine(f"vllm-{i}", _vllm(env, own), own,
+                                {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}, frozenset({cpu})))
     backends = [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)]
     argv = router_argv(router, policy, "127.0.0.1", port, backends, [], vllm_router)
     if argv is None:
@@ -305,9 +312,9 @@ def plain_fleet_specs(env: StackEnv, n: int, router: str, policy: str, port: int
     return [*specs, engine(f"router-{router}", argv, port)]
 
 
-def _plain_fleet(n: int, router: str, policy: str) -> Callable[[StackEnv], Stack]:
+def _plain_fleet(n: int, router: str, policy: str) -> Callable[[StackEnv], StartedConfig]:
     """The fleet without kvtier: what the stack is measured against."""
-    def start(env: StackEnv) -> Stack:
+    def start(env: StackEnv) -> StartedConfig:
         binary = None
         if router == "vllm-router":  # the benchmark installs its peer
             from kvtier.bench.peers import ensure_vllm_router

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvtier.bench.multiround import DEMO_NAME, add_arguments, workload_config
 from kvtier.bench.provenance import provenance
-from kvtier.bench.stacks import STACKS, Stack, StackEnv, get_stack
+from kvtier.bench.stacks import STACKS, StackEnv, StartedConfig, get_stack
 from kvtier.bench.sweep_runs import put_run, run_done, upgrade_v1
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KvtierError
@@ -254,7 +254,7 @@ class Sweep:
         if todo and name in self.broken:
             self._fail_rest(cfg, repeat, todo, self.broken[name])
             return
-        stack: Stack | None = None
+        stack: StartedConfig | None = None
         env: StackEnv | None = None
         try:
             for history, n in todo:
@@ -284,7 +284,7 @@ class Sweep:
         put_run(cfg["points"], users, history,
                 {"repeat": repeat, "invocation": self.invocation, **run})
 
-    def _stop(self, stack: Stack, env: StackEnv | None) -> None:
+    def _stop(self, stack: StartedConfig, env: StackEnv | None) -> None:
         stack.stop()
         if env is not None:
             for data in ("disk", "example"):  # KV files; the logs stay
@@ -298,7 +298,7 @@ class Sweep:
                                                 "p99_ttft_s": None, "hit_ratio": None})
         self.save()
 
-    def run_point(self, name: str, stack: Stack, history: int, users: int, repeat: int
+    def run_point(self, name: str, stack: StartedConfig, history: int, users: int, repeat: int
                   ) -> dict[str, Any]:
         """One run of a point: its figures (:func:`run_of`); the full results to a file.
         Every repeat of a point sends the same text (its seed), to a fresh stack."""
@@ -330,7 +330,7 @@ def _with_endpoint(ns: argparse.Namespace) -> argparse.Namespace:
                                  "api_key_env": None, "api_key_file": None, "label": ""})
 
 
-def run_of(result: dict[str, Any], rel: str, stack: Stack) -> dict[str, Any]:
+def run_of(result: dict[str, Any], rel: str, stack: StartedConfig) -> dict[str, Any]:
     """A run's figures from its ``bench multiround`` results (``rel``: where they are)."""
     s, m = result["summary"], result["metrics"]
     error = None
@@ -348,7 +348,7 @@ def run_of(result: dict[str, Any], rel: str, stack: Stack) -> dict[str, Any]:
             "error": error, "result": rel}
 
 
-def _warm_up(stack: Stack, model: str) -> None:
+def _warm_up(stack: StartedConfig, model: str) -> None:
     """One request before the first point: a fresh engine's first long prefill pays for its
     allocations."""
     import httpx

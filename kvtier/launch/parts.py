@@ -37,13 +37,15 @@ class ProcessPart:
     """True: only a 200 counts (vLLM's /health is 503 once its engine died); False: any
     HTTP answer does (a router's /health is 503 while no backend is up, yet it serves)."""
     env: Mapping[str, str] | None = None
+    cpus: frozenset[int] | None = None
+    """The only CPUs it may run on (None: any this process may)."""
     child: Child | None = None
     groups: set[int] = field(default_factory=set)
 
     def launch(self) -> None:
         self.groups = set()
         self.child = Child.start(  # the log is kept across restarts
-            self.name, self.argv, self.log_path, env=self.env,
+            self.name, self.argv, self.log_path, env=self.env, cpus=self.cpus,
             header=f"--- {time.strftime('%H:%M:%S')} kvtier serve starts {self.name}\n")
 
     def running(self) -> bool:

@@ -49,6 +49,28 @@ def is_cpu_build() -> bool:
         return False
 
 
+def instance_cpu(i: int) -> int | None:
+    """The CPU instance ``i`` of a fleet on this machine is bound to on vLLM's CPU build: the
+    i-th CPU this process may use (round robin when instances outnumber them). None when it
+    is not the CPU build, or ``VLLM_CPU_OMP_THREADS_BIND`` is set by hand (then the user
+    binds). The whole instance runs there: its vLLM worker's threads (the variable) and every
+    other process of it (CPU affinity set before it starts). A process that may use both
+    cores would, importing torch, pin itself to each core in turn to count them (MKL does
+    this), and on a core a busy engine holds, such a move has been seen to wait 20-100 s."""
+    if not is_cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    allowed = allowed_cpus()
+    return allowed[i % len(allowed)]
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
 def default_sizes() -> tuple[int, int]:
     """(arena, disk) bytes: 1/8 of RAM (0.5-16 GiB), 1/4 of free disk (1-64 GiB)."""
     try:

@@ -9,14 +9,15 @@
 
 Each instance is a single-instance ``kvtier serve`` child (vLLM plus the node server it hosts,
 as if on a node of its own), bound to a core of its own on the CPU build
-(``VLLM_CPU_OMP_THREADS_BIND=i``), logging to ``RUN_DIR/instance-i.log``. The router starts
-once every instance answers (or was given up on). Every part — instance, router, local
-service — is supervised (:mod:`kvtier.launch.supervise`): one that exits or stops answering
-is restarted alone, with backoff, until it fails too often and is given up; the rest keeps
-serving. One Ctrl-C (or SIGTERM) stops the router, then the instances (each by its process id,
-then whatever is left in its process groups), then any local service started for
-``--shared-local``. ``RUN_DIR/stack.json`` lists every URL and every part's state, for
-``kvtier verify --stack`` and the router's ``/metrics``.
+(``VLLM_CPU_OMP_THREADS_BIND`` and the CPU affinity of all its processes), logging to
+``RUN_DIR/instance-i.log``. The router starts once every instance answers (or was given up
+on). Every part — instance, router, local service — is supervised
+(:mod:`kvtier.launch.supervise`): one that exits or stops answering is restarted alone, with
+backoff, until it fails too often and is given up; the rest keeps serving. One Ctrl-C (or
+SIGTERM) stops the router, then the instances (each by its process id, then whatever is left
+in its process groups), then any local service started for ``--shared-local``.
+``RUN_DIR/stack.json`` lists every URL and every part's state, for ``kvtier verify --stack``
+and the router's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
 from kvtier.launch.front import router_argv
 from kvtier.launch.parts import ProcessPart, ServicePart, stop_together
-from kvtier.launch.plan import default_sizes, is_cpu_build
-from kvtier.launch.stack_options import StackOptions, cores
+from kvtier.launch.plan import default_sizes, instance_cpu
+from kvtier.launch.stack_options import StackOptions
 from kvtier.launch.summary import say, tiers_line
 from kvtier.launch.supervise import PartState, Supervised, Supervisor
 from kvtier.ports import check_plan, ephemeral_range
@@ -115,15 +116,19 @@ class Stack:
 
     def instance_env(self, i: int) -> dict[str, str]:
         env = {**os.environ, **self.env}
-        if _is_cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % cores())  # one core per instance
+        cpu = instance_cpu(i)
+        if cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # one core per instance
         return env
 
     def instance_part(self, i: int) -> ProcessPart:
-        """vLLM's /health must say 200: it says 503 once its EngineCore died."""
+        """vLLM's /health must say 200: it says 503 once its EngineCore died. On the CPU
+        build the whole instance runs on its core (:func:`instance_cpu`)."""
+        cpu = instance_cpu(i)
         return ProcessPart(f"instance {i}", self.instance_argv(i),
                            self.o.run_dir / f"instance-{i}.log", f"{self.url(i)}/health",
-                           env=self.instance_env(i))
+                           env=self.instance_env(i),
+                           cpus=frozenset({cpu}) if cpu is not None else None)
 
     # ------------------------------------------------------------------ run
 
@@ -291,9 +296,9 @@ class Stack:
         up = len([p for p in self.instances
                   if self.supervisor[p.name].state is PartState.UP])
         say(f"kvtier serve: {up} instance(s) up; {front}")
-        bind = _is_cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
         for i in range(o.instances):
-            core = f"  core {i % cores()}" if bind else ""
+            cpu = instance_cpu(i)
+            core = f"  core {cpu}" if cpu is not None else ""
             say(f"  instance {i}  {self.url(i)}/v1  node server {self.node_url(i)}{core}")
         tiers = ServerConfig.from_dict({**self.server_config(0), "metrics_port": None})
         say(f"  tiers of each instance: {tiers_line(tiers)}"
@@ -310,6 +315,3 @@ class Stack:
         say(f"  check it: kvtier verify --stack {o.run_dir / 'stack.json'}")
         say("  Ctrl-C stops everything.")
 
-
-def _is_cpu_build() -> bool:
-    return is_cpu_build()

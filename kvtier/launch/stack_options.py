@@ -230,9 +230,3 @@ def _default_run_dir() -> Path:
 
     return default_cache_dir() / "stack"
 
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1

@@ -72,7 +72,8 @@ def test_a_stack_that_exits_before_it_is_ready_leaves_no_process(tmp_path: Path)
 
 def test_stopping_a_stack_whose_leader_died_stops_its_children(tmp_path: Path) -> None:
     popen = _leader_gone_child_left(tmp_path)
-    stack = stacks.Stack("http://127.0.0.1:1", [Child("engine", popen, tmp_path / "log")], 10.0)
+    stack = stacks.StartedConfig("http://127.0.0.1:1", [Child("engine", popen, tmp_path / "log")],
+                                 10.0)
     assert not stack.alive()
     stack.stop()
     assert group_members(popen.pid) == []

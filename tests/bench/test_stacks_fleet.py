@@ -26,7 +26,7 @@ def env(tmp_path: Path) -> StackEnv:
 @pytest.fixture
 def cpu_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvtier.launch.plan.is_cpu_build", lambda: True)
-    monkeypatch.setattr("kvtier.launch.stack_options.cores", lambda: 2)
+    monkeypatch.setattr("kvtier.launch.plan.allowed_cpus", lambda: [0, 1])
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
 
 
@@ -42,6 +42,7 @@ def test_each_instance_is_plain_vllm_on_its_own_port_and_core(env: StackEnv,
         assert "--kv-transfer-config" not in spec.argv and "kvtier" not in " ".join(spec.argv)
         assert spec.argv[-2:] == ["--dtype", "bfloat16"]
         assert spec.env == {"VLLM_CPU_OMP_THREADS_BIND": str(i)}
+        assert spec.cpus == {i}  # all its processes, not only vLLM's worker threads
 
 
 def test_vllm_router_fronts_the_instances_round_robin(env: StackEnv, cpu_build: None) -> None:
@@ -76,12 +77,13 @@ def test_a_core_set_by_hand_is_left_alone(env: StackEnv, cpu_build: None,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     specs = plain_fleet_specs(env, 2, "kvtier", "roundrobin", 30000)
-    assert all(s.env == {} for s in specs)
+    assert all(s.env == {} and s.cpus is None for s in specs)
 
 
 def test_instances_wrap_around_the_cores(env: StackEnv, cpu_build: None) -> None:
     specs = plain_fleet_specs(env, 3, "kvtier", "roundrobin", 30000)
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs[:3]] == ["0", "1", "0"]
+    assert [s.cpus for s in specs] == [{0}, {1}, {0}, None]  # the router runs anywhere
 
 
 def test_a_plain_fleet_needs_a_router(env: StackEnv) -> None:

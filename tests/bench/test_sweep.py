@@ -18,8 +18,8 @@ from kvtier.bench import stacks
 from kvtier.bench.stacks import (
     STACKS,
     ProcSpec,
-    Stack,
     StackEnv,
+    StartedConfig,
     engine,
     free_port,
     launch,
@@ -33,14 +33,14 @@ STUB = str(Path(__file__).with_name("stub_server.py"))
 STARTED: list[str] = []
 
 
-def _start_stub(env: StackEnv) -> Stack:
+def _start_stub(env: StackEnv) -> StartedConfig:
     STARTED.append(env.workdir.parent.name)
     port = free_port()
     return launch(env, [engine("stub", [sys.executable, STUB, "--port", str(port)], port)],
                   port)
 
 
-def _start_broken(env: StackEnv) -> Stack:
+def _start_broken(env: StackEnv) -> StartedConfig:
     STARTED.append("broken")
     port = free_port()
     spec = ProcSpec("broken", [sys.executable, "-c", "print('no engine here'); raise "

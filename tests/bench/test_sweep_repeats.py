@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.bench import stacks, sweep_figure
 from kvtier.bench.provenance import provenance
-from kvtier.bench.stacks import Stack, StackEnv, StackSpec
+from kvtier.bench.stacks import StackEnv, StackSpec, StartedConfig
 from kvtier.bench.sweep import Sweep, schedule
 from kvtier.cli import main
 
@@ -36,12 +36,12 @@ class Fake:
         self.interrupt: Key | None = None
 
     def start(self, name: str) -> Any:
-        def start(env: StackEnv) -> Stack:
+        def start(env: StackEnv) -> StartedConfig:
             self.starts.append(name)
-            return Stack("http://127.0.0.1:9", [])
+            return StartedConfig("http://127.0.0.1:9", [])
         return start
 
-    def run_point(self, name: str, _stack: Stack, _history: int, users: int,
+    def run_point(self, name: str, _stack: StartedConfig, _history: int, users: int,
                   repeat: int) -> dict[str, Any]:
         key = (name, users, repeat)
         if key == self.interrupt:
@@ -173,7 +173,7 @@ def test_retry_failed_reruns_only_the_failed_run(tmp_path: Path, fake: Fake) -> 
 
 def test_a_configuration_that_cannot_start_is_tried_once_per_sweep(
         tmp_path: Path, fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(env: StackEnv) -> Stack:
+    def broken(env: StackEnv) -> StartedConfig:
         fake.starts.append("broken")
         raise stacks.StackError("broken exited with status 3")
 

@@ -116,6 +116,24 @@ def test_dry_run_prints_each_instance(capsys: pytest.CaptureFixture[str], tmp_pa
     assert lines[1].endswith("--port 7002 --host 127.0.0.1 --dtype float32")
 
 
+def test_on_the_cpu_build_each_instance_runs_wholly_on_its_own_core(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's worker threads (the variable) and every process of the instance (its CPU
+    affinity, which what it starts inherits), round robin over the CPUs this one may use."""
+    from kvtier.launch.stack import Stack
+
+    monkeypatch.setattr("kvtier.launch.plan.is_cpu_build", lambda: True)
+    monkeypatch.setattr("kvtier.launch.plan.allowed_cpus", lambda: [4, 5])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    stack = Stack(options("--instances", "3", "--run-dir", str(tmp_path)))
+    parts = [stack.instance_part(i) for i in range(3)]
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in parts if p.env] == ["4", "5", "4"]
+    assert [p.cpus for p in parts] == [{4}, {5}, {4}]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the user binds: left alone
+    part = stack.instance_part(0)
+    assert part.cpus is None and part.env and part.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
 def test_the_summary_names_tiers_without_secrets() -> None:
     config = ServerConfig.from_dict({"arena": {"size_bytes": "1536MiB"}, "tiers": [
         {"type": "disk", "capacity_bytes": "20GiB", "options": {"path": "/d"}},
