@@ -265,8 +265,10 @@ def _start_arena_shared(env: StackEnv) -> StartedConfig:
     return launch(env, [engine("kvtier-serve", argv, port)], port)
 
 
-def _two_instances(router: str, policy: str) -> Callable[[StackEnv], StartedConfig]:
-    """``kvtier serve --instances 2`` (one core each, one shared fs tier) behind ``router``."""
+def _two_instances(router: str, policy: str, shared: bool = True
+                   ) -> Callable[[StackEnv], StartedConfig]:
+    """``kvtier serve --instances 2`` (one core each, one shared fs tier, or none when not
+    ``shared``: each instance then has only its own arena) behind ``router``."""
     def start(env: StackEnv) -> StartedConfig:
         # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102
         port = ports.free_base((0, 1, 2, 101, 102))
@@ -278,7 +280,8 @@ def _two_instances(router: str, policy: str) -> Callable[[StackEnv], StartedConf
             extra = ["--vllm-router", str(installed)]
         argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
                 "--port", str(port), "--router", router, "--router-policy", policy, *extra,
-                "--shared", str(env.workdir / "shared"), "--shared-size", str(env.disk_bytes),
+                *(["--shared", str(env.workdir / "shared"), "--shared-size",
+                    str(env.disk_bytes)] if shared else []),
                 "--arena-size", str(env.arena_bytes), "--run-dir", str(env.workdir / "stack"),
                 "--served-model-name", env.served_name, "--chunk-tokens",
                 str(env.chunk_tokens), "--enable-prefix-caching", *env.engine_args]
@@ -339,6 +342,14 @@ register_stack("2x+cache", "two instances (a core each, one shared fs tier) behi
                "route, cache-aware", _two_instances("kvtier", "cache"))
 register_stack("2x+vllm-router", "two instances (a core each, one shared fs tier) behind "
                "vLLM's own router (cache_aware)", _two_instances("vllm-router", "cache_aware"))
+_NOSHARE = ("two instances (a core each), each with only its own arena (no shared tier: "
+            "routing is the only way to reuse) behind ")
+register_stack("2x-noshare+roundrobin", _NOSHARE + "kvtier route, round robin",
+               _two_instances("kvtier", "roundrobin", shared=False))
+register_stack("2x-noshare+cache", _NOSHARE + "kvtier route, cache-aware",
+               _two_instances("kvtier", "cache", shared=False))
+register_stack("2x-noshare+vllm-router", _NOSHARE + "vLLM's own router (cache_aware)",
+               _two_instances("vllm-router", "cache_aware", shared=False))
 register_stack("2x-plain+vllm-router", "two plain vLLM instances (a core each, no kvtier, no "
                "shared tier) behind vLLM's own router, round robin: the plain fleet",
                _plain_fleet(2, "vllm-router", "round_robin"))

@@ -99,3 +99,26 @@ def test_the_plain_fleet_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
         assert len(line.split()) > 3  # with its description
     assert "no kvtier" in next(li for li in out.splitlines()
                                if li.startswith("2x-plain+kvtier-rr"))
+
+
+def test_the_no_share_stacks_give_each_instance_only_its_arena(
+        env: StackEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``2x-noshare+...``: the same two-instance stack as ``2x+...`` without the shared tier
+    (routing is then the only way to reuse), the same router and strategy."""
+    argvs: list[list[str]] = []
+
+    def launch(_env: StackEnv, specs: list[stacks.ProcSpec], port: int) -> stacks.StartedConfig:
+        argvs.append(specs[0].argv)
+        return stacks.StartedConfig(f"http://127.0.0.1:{port}", [])
+
+    monkeypatch.setattr(stacks, "launch", launch)
+    names = ("2x+cache", "2x-noshare+cache", "2x-noshare+roundrobin")
+    for name in names:
+        stacks.get_stack(name).start(env)
+    shared, alone, alone_rr = argvs
+    assert "--shared" in shared and "--shared-size" in shared
+    for argv in (alone, alone_rr):
+        assert "--shared" not in argv and "--shared-size" not in argv
+        assert argv[argv.index("--instances") + 1] == "2"
+    policy = [a[a.index("--router-policy") + 1] for a in argvs]
+    assert policy == ["cache", "cache", "roundrobin"]

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 from stack_helpers import RunningStack, start_stack
 from supervise_helpers import (
+    INSTANCE_BACK_S,
     Loop,
     all_up,
     api_server,
@@ -52,9 +53,6 @@ from kvtier.processes import alive
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.services, pytest.mark.faults]
 
-INSTANCE_BACK_S = 240.0
-"""An instance is back in about its own start time: 90-180 s on the 2-core test machine
-while the other instance serves the request loop (176 s seen behind vllm-router)."""
 ROUTER_BACK_S = 30.0
 SERVICE_BACK_S = 60.0
 

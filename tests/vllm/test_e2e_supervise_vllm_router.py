@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 from stack_helpers import RunningStack, start_stack
-from supervise_helpers import api_server, cold_run, fault, parts, warm
+from supervise_helpers import INSTANCE_BACK_S, api_server, cold_run, fault, parts, warm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.services, pytest.mark.faults]
 
-INSTANCE_BACK_S = 240.0
 ROUTER_BACK_S = 30.0
 SERVICE_BACK_S = 30.0
 
