@@ -170,13 +170,16 @@ class TieredStore:
         ``hold.wait``, ends one timed hold and waking up begins the next)."""
         return self._lock.held(section)
 
-    def apply(self, section: str, change: Callable[[], T]) -> T:
-        """Run ``change`` under the store lock (timed under ``section``) and wake whoever
-        waits on the store; returns what it returned. The one way other threads' work
-        (I/O outcomes, housekeeping, journals) changes the store's state."""
+    def apply(self, section: str, change: Callable[[], T], *, wake: bool = False) -> T:
+        """Run ``change`` under the store lock (timed under ``section``); returns what it
+        returned. The one way other threads' work (I/O outcomes, housekeeping, journals)
+        changes the store's state. ``wake``: the change may end what :meth:`wait` or
+        :meth:`flush` waits for (a write, delete or promotion done or abandoned), so wake
+        them; books-only changes (journals, touches, breakers) leave them asleep."""
         with self._locked(section) as hold:
             out = change()
-            hold.notify_all()
+            if wake:
+                hold.notify_all()
         return out
 
     # ------------------------------------------------------------------ start
@@ -199,7 +202,7 @@ class TieredStore:
             self._unlisted(state, exc)
             return 0
         state.learn_space(space)
-        usable = state.plausible_only(listed)
+        usable, odd = state.plausible_only(listed)
         sharing = self.sharing.get(state.name)
         if sharing is not None:  # others' chunks too; budgets are the sweeper's
             sharing.listed(started_ms)
@@ -210,6 +213,7 @@ class TieredStore:
         if sharing is None:  # this node's own files that no slot here can take
             left += [c for c in listed if not state.plausible(c.size)]
         with self._locked("rebuild"):
+            state.count_implausible(odd)
             for chunk in left:
                 self.writes.delete_later(state, chunk.key, chunk.namespace)
             for chunk in kept:

@@ -71,7 +71,8 @@ class Housekeeper:
         calls = [j.on_abandon for j in abandoned if j.on_abandon is not None]
         calls += [j.on_late for j in late if j.on_late is not None]
         for start in range(0, len(calls), BATCH):  # a hung tier's whole queue, in batches
-            self.apply("overdue", functools.partial(_call_all, calls[start : start + BATCH]))
+            self.apply("overdue", functools.partial(_call_all, calls[start : start + BATCH]),
+                       wake=True)
 
     def _probe(self, state: LowerTierState) -> None:
         def run(job: Job) -> None:
@@ -99,11 +100,12 @@ class Housekeeper:
 
         def run(_job: Job) -> None:
             try:
-                listed = state.plausible_only(state.tier.scan())
+                listed, odd = state.plausible_only(state.tier.scan())
             except TierError as exc:
                 log.warning("tier %s: listing it again failed: %s", state.name, exc)
                 self.apply("rescan", state.rescan_later)
                 return
+            self.apply("rescan", functools.partial(state.count_implausible, odd))
             # a snapshot: the live check is _index_found's
             held, room = self.apply("rescan", functools.partial(_room, state))
             found, _left = newest_that_fit([c for c in listed if c.key not in held], room)
@@ -134,8 +136,14 @@ class Housekeeper:
 
 
 def _call_all(calls: list[Callable[[], None]]) -> None:
+    """Each overdue job's callback (lock held); one that fails is logged and the rest still
+    run: their jobs are already off the pool's queue, and a callback not run leaves its
+    entry writing and its room reserved for good."""
     for call in calls:
-        call()
+        try:
+            call()
+        except Exception:
+            log.exception("an overdue job's callback failed")
 
 
 def _room(state: LowerTierState) -> tuple[set[ChunkKey], int]:

@@ -5,9 +5,11 @@ A component whose work ends on another thread (an I/O job's outcome, the houseke
 shared tier's journal) hands the change to the store's
 :meth:`~kvtier.store.core.TieredStore.apply` (an :class:`Apply`)::
 
-    apply(section, change)   take the lock, run change(), record the hold under ``section``
-                             (``max_s``: the lock-hold figures), wake the store's waiters,
-                             let go; returns what change() returned
+    apply(section, change, wake=False)
+                             take the lock, run change(), record the hold under ``section``
+                             (``max_s``: the lock-hold figures), wake the store's waiters if
+                             ``wake`` (the change may end what they wait for: a write, delete
+                             or promotion done), let go; returns what change() returned
 
 so every hold is timed and every outcome is applied in one place. A change must not call
 ``apply`` again (the lock is not reentrant): code that already runs under the lock (a
@@ -28,7 +30,8 @@ T = TypeVar("T")
 
 
 class Apply(Protocol):
-    def __call__(self, section: str, change: Callable[[], T], /) -> T: ...
+    def __call__(self, section: str, change: Callable[[], T], /, *, wake: bool = False
+                 ) -> T: ...
 
 
 class Hold:

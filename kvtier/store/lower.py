@@ -141,9 +141,10 @@ class LowerTierState:
         and a forged size must not make this server evict everything to make room."""
         return self.smallest <= size <= self.fits_slot
 
-    def plausible_only(self, chunks: Iterable[StoredChunk]) -> list[StoredChunk]:
-        """The chunks of a listing that are ``plausible``; the others are counted (and the
-        first time, logged)."""
+    def plausible_only(self, chunks: Iterable[StoredChunk]) -> tuple[list[StoredChunk], int]:
+        """The chunks of a listing that are ``plausible``, and how many were not (a pure
+        function of the listing: it runs outside the lock; count those with
+        :meth:`count_implausible` under it)."""
         kept: list[StoredChunk] = []
         left = 0
         for chunk in chunks:
@@ -151,12 +152,16 @@ class LowerTierState:
                 kept.append(chunk)
             else:
                 left += 1
+        return kept, left
+
+    def count_implausible(self, left: int) -> None:
+        """Count ``left`` implausible chunks of a listing; the first time, say so (lock
+        held)."""
         if left and not self.implausible:
             log.warning("tier %s: %d chunks listed with sizes no chunk here can have (not "
                         "%d to %d bytes) are left out of the books", self.name, left,
                         self.smallest, self.fits_slot)
         self.implausible += left
-        return kept
 
     @property
     def available(self) -> bool:

@@ -67,9 +67,12 @@ class Promotions:
     def start(self, entry: Entry, state: LowerTierState) -> None:
         namespace = state.namespaces.get(entry.key, b"")
         self.in_flight += 1
-        state.pool.submit(lambda job: self._job(job, entry, state, namespace),
-                          on_abandon=lambda: self._abandoned(entry, state),
-                          on_late=lambda: self._late(entry, state))
+        try:
+            state.pool.submit(lambda job: self._job(job, entry, state, namespace),
+                              on_abandon=lambda: self._abandoned(entry, state),
+                              on_late=lambda: self._late(entry, state))
+        except RuntimeError:  # the store is closing: the read fails, its slot is freed
+            self._done(entry, state, None, False, "the store is closing", 0.0)
 
     def joinable(self, entry: Entry) -> bool:
         return entry.where is Where.PROMOTING and entry.key not in self.late
@@ -114,7 +117,7 @@ class Promotions:
         elif error:
             log.debug("read from %s failed: %s", state.name, error)
         self.apply("promote", functools.partial(self._outcome, job, entry, state, header,
-                                                corrupt, error, elapsed, too_large))
+                                                corrupt, error, elapsed, too_large), wake=True)
 
     def _outcome(self, job: Job, entry: Entry, state: LowerTierState,
                  header: ChunkHeader | None, corrupt: bool, error: str, elapsed: float,
@@ -132,6 +135,7 @@ class Promotions:
                         "lacks the cluster secret or forged it; such chunks are misses, "
                         "quarantined and counted (kvtier_untrusted_total{what=\"chunk_mac\"})",
                         state.name, exc)
+            self._forged.add(state.name)
 
     def _quarantine(self, state: LowerTierState, key: ChunkKey, namespace: bytes) -> None:
         try:

@@ -370,7 +370,9 @@ class Sharing:
     def _relist(self, now_ms: int) -> None:
         """Too far behind the journal: make the books match a fresh listing."""
         state = self.state
-        found = sorted(state.plausible_only(self.tier.scan()), key=lambda c: c.mtime)
+        usable, odd = state.plausible_only(self.tier.scan())
+        found = sorted(usable, key=lambda c: c.mtime)
+        self.apply("journal", functools.partial(state.count_implausible, odd))
         listed = {c.key for c in found}
         gone = self.apply("journal", lambda: [k for k in state.sizes if k not in listed])
         for at in range(0, len(gone), APPLY_BATCH):

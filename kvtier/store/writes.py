@@ -33,6 +33,7 @@ from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
 from kvtier.store.placement import Refusal, free_ahead, make_slot, write_targets
 from kvtier.store.records import Entry, Where
+from kvtier.tiers.base import Space
 
 if TYPE_CHECKING:
     from kvtier.metrics import StoreMetrics
@@ -130,11 +131,16 @@ class Writes:
                 state.mark_deleting(key)
             self.index.start_write(entry, state.name)
             self.in_flight += 1
-            state.pool.submit(functools.partial(self._job, entry=entry, state=state,
-                                                doomed=victims, size=size),
-                              on_abandon=functools.partial(self._abandoned, entry, state,
-                                                           victims, size),
-                              on_late=functools.partial(self._late, state))
+            try:
+                state.pool.submit(functools.partial(self._job, entry=entry, state=state,
+                                                    doomed=victims, size=size),
+                                  on_abandon=functools.partial(self._abandoned, entry, state,
+                                                               victims, size),
+                                  on_late=functools.partial(self._late, state))
+            except RuntimeError:  # the store is closing: give back what this write took
+                for key, _namespace in victims:  # left for the next start's listing
+                    state.clear_deleting(key)
+                self._done(entry, state, size, None, 0.0, "")
         if entry.demoting and not entry.writing:  # no tier took it
             self._demoted(entry)
 
@@ -143,7 +149,10 @@ class Writes:
     def _job(self, job: Job, entry: Entry, state: LowerTierState,
              doomed: list[tuple[ChunkKey, bytes]], size: int) -> None:
         for key, namespace in doomed:
-            self.delete_now(state, key, namespace)
+            try:
+                self.delete_now(state, key, namespace)
+            except Exception:  # a bug in a delete must not lose this write's outcome
+                log.exception("delete from %s failed", state.name)
         view = self.index.arena.slot(entry.slot)
         written: int | None = None
         error = ""
@@ -164,7 +173,7 @@ class Writes:
         finally:
             view.release()
         elapsed = time.perf_counter() - start
-        space = state.tier.space() if full else None
+        space = _space(state) if full else None
 
         def outcome() -> None:
             if not job.late:
@@ -173,7 +182,7 @@ class Writes:
                 state.learn_space(space, full=True)
             self._done(entry, state, size, written, elapsed, error)
 
-        self.apply("write", outcome)
+        self.apply("write", outcome, wake=True)
 
     def delete_now(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
                    tries: int = 1) -> None:
@@ -188,7 +197,7 @@ class Writes:
             self.metrics.io_errors.labels(state.name, "delete").inc()
         finally:
             self.apply("delete", functools.partial(self._delete_done, state, key, namespace,
-                                                   tries, gone))
+                                                   tries, gone), wake=True)
 
     def _delete_done(self, state: LowerTierState, key: ChunkKey, namespace: bytes,
                      tries: int, gone: bool) -> None:
@@ -262,3 +271,13 @@ class Writes:
     def _demoted(self, entry: Entry) -> None:
         self.demoting -= 1
         self.index.end_demotion(entry)
+
+
+def _space(state: LowerTierState) -> Space | None:
+    """The tier's free space after it said it is full; None if it cannot say (its mount
+    gone, say): the write's outcome is applied either way."""
+    try:
+        return state.tier.space()
+    except Exception:
+        log.warning("%s: its free space is unknown after it filled", state.name, exc_info=True)
+        return None

@@ -44,11 +44,11 @@ from kvtier.errors import ConfigError, IntegrityError
 
 SHM_DIR = "/dev/shm"
 LOCK_WAIT_S = 1.0
+"""How long a new arena waits for a sweeper that locked it in the instant before its creator."""
 CREATING_SUFFIX = ".creating"
 CREATING_GRACE_S = 60.0
 """A creating name is used for microseconds; one older than this, unlocked, was left by a
 creator killed in between and is swept."""
-"""How long a new arena waits for a sweeper that locked it in the instant before its creator."""
 log = logging.getLogger("kvtier.server")
 
 

@@ -372,3 +372,68 @@ def test_an_evicted_chunk_whose_delete_fails_is_deleted_by_a_later_try(
     assert sample(store, "kvtier_io_errors_total", tier="disk", direction="delete") == 2
     assert set(disk_files(tmp_path)) == {key.hex() for key in k[1:]}, "nothing leaked"
     store.check_integrity()
+
+
+class BrokenDeletesTier(DiskTier):
+    """A real disk tier whose deletes fail with what no tier should raise (a bug)."""
+
+    def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
+        raise ValueError("delete broke (test)")
+
+
+def test_a_write_whose_victims_delete_breaks_still_applies_its_outcome(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """The write job deletes its victims first; a bug there must not lose the write's
+    outcome (the entry would stay writing, its room reserved, flush never drained)."""
+    store = make_store(tmp_path, slots=6, disk_bytes=2 * CHUNK_BYTES, io_threads=1)
+    disk = store.tiers[0]
+    disk.tier = BrokenDeletesTier(disk.name, disk.config)
+    k = keys(3)
+    for key in k:
+        store_chunks(store, [key])
+        assert store.flush(10.0), "drained: every write's outcome was applied"
+    assert k[2] in disk and disk.reserved == 0
+    assert not any(entry.writing for entry in store.entries.values())
+    store.check_integrity()
+
+
+def test_writes_and_reads_offered_to_a_closed_pool_give_back_what_they_took(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """A commit or a lease that reaches a tier while the store closes (its pool already
+    closed) fails its I/O and gives back the room, the writing mark and the slot."""
+    store = make_store(tmp_path, slots=6, disk_bytes=10 * CHUNK_BYTES)
+    disk = store.tiers[0]
+    stored = keys(1, "stored")
+    store_chunks(store, stored)
+    for key in keys(9, "filler"):  # pushes `stored` out of the arena; the disk keeps it
+        store_chunks(store, [key])
+        assert store.flush(10.0)
+        if stored[0] not in store.entries:
+            break
+    assert stored[0] not in store.entries and stored[0] in disk
+    disk.pool.close(0.0)
+    late = keys(1, "late")
+    store_chunks(store, late)  # written through: the pool refuses the job
+    got = load(store, stored)  # promoted from the disk: the pool refuses the read
+    assert got.payloads in ([], [None])
+    assert store.flush(5.0), "nothing in flight"
+    assert disk.reserved == 0 and late[0] not in disk
+    assert not any(entry.writing for entry in store.entries.values())
+    store.check_integrity()
+
+
+def test_one_failing_overdue_callback_does_not_skip_the_rest_of_its_batch(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Overdue jobs are already off the pool's queue: a callback not run would leave its
+    entry writing and its room reserved for good."""
+    from kvtier.store.housekeeping import _call_all
+
+    ran: list[int] = []
+
+    def broken() -> None:
+        raise KeyError("bug")
+
+    with caplog.at_level(logging.ERROR, logger="kvtier.store"):
+        _call_all([lambda: ran.append(1), broken, lambda: ran.append(3)])
+    assert ran == [1, 3]
+    assert any("overdue job's callback failed" in r.getMessage() for r in caplog.records)

@@ -8,6 +8,7 @@ the books passing their integrity check (docs/security.md).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -234,6 +235,28 @@ def test_a_chunk_resealed_without_the_secret_is_never_served(servers: Servers) -
     assert sample(b2, "kvtier_untrusted_total", tier="shared", what="chunk_mac") == 1
     assert sample(b2, "kvtier_checksum_failures_total", tier="shared") == 1
     b2.check_integrity()
+
+
+def test_forged_chunks_are_said_once_per_tier_and_each_counted(
+        servers: Servers, caplog: pytest.LogCaptureFixture) -> None:
+    """A peer without the secret may write thousands: one WARNING for the tier, then only
+    the counter (and DEBUG lines)."""
+    a = servers("a", [OLD])
+    chains = [keys(1, f"forged-{i}") for i in range(3)]
+    for k in chains:
+        store_chunks(a, k)
+    settle(a)
+    for k in chains:
+        tier_of(a).write(k[0], forged_chunk(k[0], bytes(PAYLOAD)))
+    b = servers("b", [OLD])
+    assert wait_until(lambda: all(b.lookup(k) == ["shared"] for k in chains), 5.0)
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        for k in chains:
+            assert load(b, k).payloads in ([], [None]), "never served"
+    assert sample(b, "kvtier_untrusted_total", tier="shared", what="chunk_mac") == 3
+    said = [r for r in caplog.records if r.levelno >= logging.WARNING and "MAC" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    b.check_integrity()
 
 
 def test_notes_without_the_secret_are_ignored(servers: Servers) -> None:
