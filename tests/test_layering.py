@@ -220,6 +220,23 @@ def test_the_root_package_imports_its_public_names_on_first_use() -> None:
     assert out.stdout.strip() == "module 'kvtier' has no attribute 'NoSuchName'"
 
 
+def test_the_placement_core_loads_without_the_store_runtime() -> None:
+    """``kvtier trace simulate`` drives the pure placement core; importing it must not load
+    the store's arena, threads or tiers."""
+    script = (
+        "import sys\n"
+        "import kvtier.store.placement\n"
+        "runtime = ('kvtier.store.core', 'kvtier.tiers.arena', 'kvtier.store.iopool')\n"
+        "print([m for m in runtime if m in sys.modules])\n"
+        "from kvtier.store import TieredStore\n"
+        "print(TieredStore.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "kvtier.store.core"]
+
+
 # ---------------------------------------------------------------------- the launcher's layer
 
 LAYERS = {"kvtier.vllm": ("kvtier.launch", "kvtier.bench"), "kvtier.launch": ("kvtier.bench",)}
