@@ -7,7 +7,16 @@ run as processes of their own; this process is the client. In one run:
   hits both alike); p50 / p99 of each and the difference, for whole answers and for a
   stream's first chunk;
 - **throughput**: ``--concurrency`` clients sending as fast as they can for ``--duration-s``,
-  direct, then routed: requests per second.
+  direct, then routed: requests per second, and the router's CPU time per request (its
+  process's user + system time over the routed phase);
+- **the strategy's own work**, from the router's ``/metrics`` after the latency phase: the
+  mean time of a decision, of a request's keying (chat template, tokenizer, chunk hashes)
+  and of a decision's node-server lookups.
+
+With a strategy that keys prompts (``cache``, ``prefix``) a node server runs too, with the
+demo model's namespace registered (as the vLLM connector registers it), so the router renders,
+tokenizes and hashes a ``--prompt-tokens`` chat prompt with the real tokenizer and asks the
+node server about its keys on every request: what these strategies cost in production.
 
 On a small machine the stub, the router and the client share the cores, so the routed
 figures include the contention of one more process; the router's cost on a machine of its
@@ -28,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from kvtier.errors import ServiceStartError
 from kvtier.httpjson import answers_200
 from kvtier.ports import free_ports
@@ -47,41 +58,100 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration-s", type=float, default=4.0, help="per throughput phase")
     p.add_argument("--strategy", default="roundrobin",
                    choices=("roundrobin", "session", "prefix", "cache"))
+    p.add_argument("--prompt-tokens", type=int, default=2000,
+                   help="about this many tokens of chat prompt, keyed by cache and prefix "
+                   "(the demo model's tokenizer; other strategies get a one-line prompt)")
     p.add_argument("--json", dest="json_path", help="write the figures to this file")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    figures = bench(args.requests, args.concurrency, args.duration_s, args.strategy)
+    if args.prompt_tokens < 1:
+        print("kvtier bench route: --prompt-tokens must be at least 1", file=sys.stderr)
+        return 2
+    figures = bench(args.requests, args.concurrency, args.duration_s, args.strategy,
+                    args.prompt_tokens)
     print_figures(figures)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(figures, indent=2, sort_keys=True))
     return 0
 
 
-def bench(requests: int, concurrency: int, duration_s: float, strategy: str) -> dict[str, Any]:
-    stub_port, router_port = free_ports(2)
+KEYED = ("cache", "prefix")
+"""Strategies that key the prompt (and then need a node server's namespace)."""
+
+
+def bench(requests: int, concurrency: int, duration_s: float, strategy: str,
+          prompt_tokens: int = 2000) -> dict[str, Any]:
+    stub_port, router_port, node_port = free_ports(3)
     direct = f"http://127.0.0.1:{stub_port}"
     routed = f"http://127.0.0.1:{router_port}"
+    keyed = strategy in KEYED
     started: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-route-") as logs:
         try:
-            _start(started, Path(logs), "stub", direct, [
+            _start(started, Path(logs), "stub", f"{direct}/health", [
                 sys.executable, "-m", "kvtier.bench.stub_backend", "--port", str(stub_port)])
-            _start(started, Path(logs), "router", routed, [
+            nodes: list[str] = []
+            if keyed:
+                nodes = [_start_node(started, Path(logs), node_port)]
+            _start(started, Path(logs), "router", f"{routed}/health", [
                 sys.executable, "-m", "kvtier", "route", "--backends", direct, "--port",
-                str(router_port), "--strategy", strategy, "--log-level", "warning"])
-            figures = asyncio.run(_measure(direct, routed, requests, concurrency, duration_s))
+                str(router_port), "--strategy", strategy, "--log-level", "warning",
+                *(["--kvtier-servers", ",".join(nodes)] if nodes else [])])
+            prompt = _prompt(prompt_tokens) if keyed else None
+            router = psutil.Process(started[-1].pid)
+            figures = asyncio.run(_measure(direct, routed, requests, concurrency, duration_s,
+                                           prompt, router))
         finally:
             for proc in reversed(started):
                 stop_group(proc.popen, STOP_TIMEOUT_S)
     figures.update({"strategy": strategy, "requests": requests, "concurrency": concurrency,
-                    "duration_s": duration_s, "cpus": os.cpu_count()})
+                    "duration_s": duration_s, "cpus": os.cpu_count(),
+                    "prompt": f"chat, about {prompt_tokens} tokens, keyed" if keyed
+                    else "completion, one line"})
     return figures
 
 
+def _start_node(started: list[Child], logs: Path, port: int) -> str:
+    """A node server with the demo model's namespace registered, as the vLLM connector
+    registers it (its tokenizer is what the router keys prompts with); returns its URL."""
+    from kvtier.client import KvtierClient
+    from kvtier.demo.model import ensure_demo_model
+    from kvtier.protocol import Register
+
+    model = ensure_demo_model()
+    socket_path = logs / "node.sock"
+    config = logs / "node.yaml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "socket_path": str(socket_path), "arena": {"size_bytes": 64 << 20},
+        "metrics_port": port, "metrics_host": "127.0.0.1"}))
+    url = f"http://127.0.0.1:{port}"
+    _start(started, logs, "node", f"{url}/healthz", [
+        sys.executable, "-m", "kvtier", "server", "--config", str(config)])
+    with KvtierClient(str(socket_path)) as client:
+        client.call(Register(NAMESPACE, {"model": str(model), "chunk_tokens": CHUNK_TOKENS,
+                                         "served_model_name": MODEL, "tokenizer": str(model),
+                                         "namespace": NAMESPACE.hex()[:16]}))
+    return url
+
+
+NAMESPACE = bytes(range(32))
+CHUNK_TOKENS = 256
+
+
+def _prompt(tokens: int) -> str:
+    """About ``tokens`` tokens of the demo corpus (its tokenizer makes ~4 characters one)."""
+    from kvtier.demo.model import corpus_text
+
+    text = corpus_text()
+    want = 4 * tokens
+    return (text * (want // max(1, len(text)) + 1))[:want]
+
+
 async def _measure(direct: str, routed: str, requests: int, concurrency: int,
-                   duration_s: float) -> dict[str, Any]:
+                   duration_s: float, prompt: str | None, router: psutil.Process
+                   ) -> dict[str, Any]:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -89,19 +159,47 @@ async def _measure(direct: str, routed: str, requests: int, concurrency: int,
         out: dict[str, Any] = {}
         for stream in (False, True):
             name = "stream_first_chunk" if stream else "whole"
-            d, r = await _latencies(s, direct, routed, requests, stream)
+            d, r = await _latencies(s, direct, routed, requests, stream, prompt)
             out[name] = {"direct": _summary(d), "routed": _summary(r),
                          "added_p50_ms": 1e3 * (_pct(r, 50) - _pct(d, 50)),
                          "added_p99_ms": 1e3 * (_pct(r, 99) - _pct(d, 99))}
-        out["throughput"] = {
-            "direct_rps": await _throughput(s, direct, concurrency, duration_s),
-            "routed_rps": await _throughput(s, routed, concurrency, duration_s)}
+        out["strategy_work"] = await _strategy_work(s, routed)
+        direct_rps, _ = await _throughput(s, direct, concurrency, duration_s, prompt)
+        cpu_before = _cpu_s(router)
+        routed_rps, routed_done = await _throughput(s, routed, concurrency, duration_s, prompt)
+        cpu = _cpu_s(router) - cpu_before
+        out["throughput"] = {"direct_rps": direct_rps, "routed_rps": routed_rps,
+                             "router_cpu_ms_per_request": 1e3 * cpu / max(1, routed_done)}
         return out
 
 
-async def _latencies(s: Any, direct: str, routed: str, n: int, stream: bool
-                     ) -> tuple[list[float], list[float]]:
-    body = _body(stream)
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+async def _strategy_work(s: Any, routed: str) -> dict[str, float | None]:
+    """Mean milliseconds per decision, per keyed request and per decision's lookups, from
+    the router's histograms (None: it did none)."""
+    from kvtier.prom import samples
+
+    async with s.get(f"{routed}/metrics") as resp:
+        text = await resp.text()
+    wanted = {"kvtier_router_decision_seconds", "kvtier_router_keying_seconds",
+              "kvtier_router_lookup_seconds"}
+    found = samples(text, {f"{n}_{p}" for n in wanted for p in ("sum", "count")})
+    out: dict[str, float | None] = {}
+    for name, key in (("decision_ms", "decision"), ("keying_ms", "keying"),
+                      ("lookups_ms", "lookup")):
+        total = sum(s.value for s in found if s.name == f"kvtier_router_{key}_seconds_sum")
+        count = sum(s.value for s in found if s.name == f"kvtier_router_{key}_seconds_count")
+        out[name] = 1e3 * total / count if count else None
+    return out
+
+
+async def _latencies(s: Any, direct: str, routed: str, n: int, stream: bool,
+                     prompt: str | None) -> tuple[list[float], list[float]]:
+    body = _body(stream, prompt)
     for url in (direct, routed):  # warm connections and code paths
         for _ in range(20):
             await _one(s, url, body)
@@ -116,7 +214,8 @@ async def _latencies(s: Any, direct: str, routed: str, n: int, stream: bool
 async def _one(s: Any, url: str, body: dict[str, Any]) -> float:
     """Seconds to the whole answer, or to a stream's first chunk (the rest is read)."""
     start = time.perf_counter()
-    async with s.post(f"{url}/v1/completions", json=body) as resp:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with s.post(f"{url}{path}", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
         if body["stream"]:
@@ -128,8 +227,10 @@ async def _one(s: Any, url: str, body: dict[str, Any]) -> float:
         return time.perf_counter() - start
 
 
-async def _throughput(s: Any, url: str, concurrency: int, duration_s: float) -> float:
-    body = _body(False)
+async def _throughput(s: Any, url: str, concurrency: int, duration_s: float,
+                      prompt: str | None) -> tuple[float, int]:
+    """Requests per second with ``concurrency`` clients for ``duration_s``, and how many."""
+    body = _body(False, prompt)
     stop = time.perf_counter() + duration_s
     done = 0
 
@@ -141,10 +242,13 @@ async def _throughput(s: Any, url: str, concurrency: int, duration_s: float) -> 
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start), done
 
 
-def _body(stream: bool) -> dict[str, Any]:
+def _body(stream: bool, prompt: str | None = None) -> dict[str, Any]:
+    if prompt is not None:
+        return {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 1, "stream": stream}
     return {"model": MODEL, "prompt": "The router's own overhead.", "max_tokens": 1,
             "stream": stream}
 
@@ -162,7 +266,7 @@ def _pct(xs: Sequence[float], q: float) -> float:
 def print_figures(f: dict[str, Any]) -> None:
     print(f"kvtier bench route (strategy {f['strategy']}, stub backend, {f['cpus']} CPUs; "
           f"{f['requests']} sequential requests per path, {f['concurrency']} clients for "
-          f"{f['duration_s']:.0f} s)")
+          f"{f['duration_s']:.0f} s; prompt: {f['prompt']})")
     rows = []
     for name in ("whole", "stream_first_chunk"):
         row = f[name]
@@ -175,16 +279,22 @@ def print_figures(f: dict[str, Any]) -> None:
                  *[""] * 4])
     print(table(["", "direct p50", "routed p50", "added p50", "direct p99", "routed p99",
                  "added p99"], rows))
-    print(f"requests/s routed / direct = {t['routed_rps'] / t['direct_rps']:.2f}")
+    print(f"requests/s routed / direct = {t['routed_rps'] / t['direct_rps']:.2f}; "
+          f"router CPU per routed request {t['router_cpu_ms_per_request']:.3f} ms")
+    work = f["strategy_work"]
+    print("the strategy's own work, mean per request (sequential phase): " + ", ".join(
+        f"{name} {'-' if work[key] is None else f'{work[key]:.3f} ms'}"
+        for name, key in (("decision", "decision_ms"), ("keying", "keying_ms"),
+                          ("node lookups", "lookups_ms"))))
 
 
 def _start(started: list[Child], logs: Path, name: str, url: str, argv: list[str],
            timeout_s: float = 60.0) -> None:
-    """Start ``argv`` (noted in ``started`` at once, to be stopped) and wait until
-    ``url``/health answers 200."""
+    """Start ``argv`` (noted in ``started`` at once, to be stopped) and wait until ``url``
+    answers 200."""
     proc = Child.start(name, argv, logs / f"{name}.log")
     started.append(proc)
-    if wait_ready(answers_200(f"{url}/health", timeout_s=2.0), timeout_s=timeout_s,
+    if wait_ready(answers_200(url, timeout_s=2.0), timeout_s=timeout_s,
                   alive=lambda: proc.running, every_s=0.1):
         return
     if not proc.running:

@@ -103,7 +103,8 @@ class Router:
         if self.scrub.active:
             log.addFilter(self._scrub_filter)
         lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
-                              self.metrics.lookup_failures, self._node_headers)
+                              self.metrics.lookup_failures, self._node_headers,
+                              self.metrics.lookup_time)
         ctx = RoutingContext(self.config, self.pool, lookups, self.history)
         self.strategy = self.strategy_cls(ctx)
         self._health = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
@@ -248,7 +249,12 @@ class Router:
                 if tried:
                     return error_response(502, f"{len(tried)} backends failed this request")
                 return error_response(503, "no backend is up")
+            start = time.perf_counter()
             decision = await self.strategy.choose(req, candidates)
+            self.metrics.decision_time.labels(self.strategy.name).observe(
+                time.perf_counter() - start)
+            if not tried and req.keys_of.keying_s:
+                self.metrics.keying_time.observe(req.keys_of.keying_s)
             self.metrics.decisions.labels(self.strategy.name, decision.reason).inc()
             tried.append(decision.backend.index)
             try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,15 +108,19 @@ class RequestKeys:
         self.renderers = renderers
         self._tokens: dict[str, list[int] | None] = {}
         self._keys: dict[bytes, PromptKeys | None] = {}
+        self.keying_s = 0.0
+        """Time spent computing this request's tokens and keys (each computed once)."""
 
     async def keys(self, ns: NamespaceInfo | None) -> PromptKeys | None:
         if ns is None or self.body is None:
             return None
         if ns.fingerprint not in self._keys:
+            start = time.perf_counter()
             tokens = await self.tokens(ns.tokenizer)
             self._keys[ns.fingerprint] = None if tokens is None else PromptKeys(
                 ns, len(tokens), tuple(chunk_keys(ns.fingerprint, tokens, ns.chunk_tokens,
                                                   extras_of(self.body))))
+            self.keying_s += time.perf_counter() - start
         return self._keys[ns.fingerprint]
 
     async def tokens(self, tokenizer: str) -> list[int] | None:

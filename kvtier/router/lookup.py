@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import aiohttp
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from kvtier.keys import ChunkKey
 from kvtier.router.redact import redact_url
@@ -26,18 +27,23 @@ NOTHING: Answer = ((), ())
 
 class NodeLookups:
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float,
-                 failures: Counter | None = None, headers: Mapping[str, str] | None = None
-                 ) -> None:
+                 failures: Counter | None = None, headers: Mapping[str, str] | None = None,
+                 took: Histogram | None = None) -> None:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.failures = failures
         self.headers = dict(headers or {})
+        self.took = took
 
     async def many(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]]
                    ) -> dict[tuple[str, bytes], Answer]:
-        """One lookup per (node server URL, namespace) pair, all at once."""
+        """One lookup per (node server URL, namespace) pair, all at once; the time they
+        took together goes to ``took``."""
         items = list(asks.items())
+        start = time.perf_counter()
         answers = await asyncio.gather(*(self.one(url, keys) for (url, _), keys in items))
+        if self.took is not None and items:
+            self.took.observe(time.perf_counter() - start)
         return {ask: answer for (ask, _), answer in zip(items, answers, strict=True)}
 
     async def one(self, url: str, keys: Sequence[ChunkKey]) -> Answer:

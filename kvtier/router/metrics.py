@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_WORK = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+"""Buckets for the router's own work per request (a decision, keying, lookups)."""
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             30.0, 60.0, 120.0)
 
@@ -30,6 +32,16 @@ class RouterMetrics:
                                     buckets=_LATENCY, registry=r)
         self.decisions = Counter("kvtier_router_decisions", "Routing decisions, by strategy "
                                  "and reason", ["strategy", "reason"], registry=r)
+        self.decision_time = Histogram("kvtier_router_decision_seconds", "Time the strategy "
+                                       "took to choose a backend (keying and lookups "
+                                       "included)", ["strategy"], buckets=_WORK, registry=r)
+        self.keying_time = Histogram("kvtier_router_keying_seconds", "Time to compute a "
+                                     "request's prompt keys (chat template, tokenizer, chunk "
+                                     "hashes), per request that needed them", buckets=_WORK,
+                                     registry=r)
+        self.lookup_time = Histogram("kvtier_router_lookup_seconds", "Time of one decision's "
+                                     "node-server lookups (all in parallel)", buckets=_WORK,
+                                     registry=r)
         self.retries = Counter("kvtier_router_retries", "Attempts that failed before any "
                                "byte reached the client and were retried elsewhere",
                                ["backend"], registry=r)

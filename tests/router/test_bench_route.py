@@ -23,8 +23,33 @@ def test_bench_route_prints_and_writes_the_figures(tmp_path: Path,
         assert 0 < row["direct"]["p50_ms"] <= row["direct"]["p99_ms"]
         assert row["routed"]["p50_ms"] > 0 and "added_p99_ms" in row
     assert figures["throughput"]["direct_rps"] > 0 and figures["throughput"]["routed_rps"] > 0
+    assert figures["throughput"]["router_cpu_ms_per_request"] > 0
+    work = figures["strategy_work"]
+    assert work["decision_ms"] > 0 and work["keying_ms"] is None, "round robin keys nothing"
     printed = capsys.readouterr().out
     assert "requests/s" in printed and "stream_first_chunk" in printed
+    assert "router CPU per routed request" in printed
+
+
+def test_a_keyed_strategy_is_measured_with_a_node_server_and_a_real_tokenizer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``cache`` keys a chat prompt with the demo model's tokenizer (the namespace a node
+    server has registered) and asks the node server on every request: both are timed."""
+    out = tmp_path / "route.json"
+    assert main(["bench", "route", "--strategy", "cache", "--requests", "10",
+                 "--concurrency", "2", "--duration-s", "0.5", "--prompt-tokens", "300",
+                 "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    work = figures["strategy_work"]
+    assert work["keying_ms"] > 0 and work["lookups_ms"] > 0
+    assert work["decision_ms"] >= work["lookups_ms"], "a decision includes its lookups"
+    assert "keyed" in figures["prompt"]
+    assert "node lookups" in capsys.readouterr().out
+
+
+def test_a_prompt_of_no_tokens_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "route", "--prompt-tokens", "0"]) == 2
+    assert "--prompt-tokens" in capsys.readouterr().err
 
 
 def test_the_command_offers_every_registered_strategy() -> None:
