@@ -214,10 +214,7 @@ def test_the_root_package_imports_its_public_names_on_first_use() -> None:
         "except AttributeError as exc:\n"
         "    print(exc)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "module 'kvtier' has no attribute 'NoSuchName'"
+    assert _python(script).strip() == "module 'kvtier' has no attribute 'NoSuchName'"
 
 
 def test_the_placement_core_loads_without_the_store_runtime() -> None:
@@ -231,10 +228,15 @@ def test_the_placement_core_loads_without_the_store_runtime() -> None:
         "from kvtier.store import TieredStore\n"
         "print(TieredStore.__module__)\n"
     )
+    assert _python(script).split("\n")[:2] == ["[]", "kvtier.store.core"]
+
+
+def _python(script: str) -> str:
+    """What ``script`` prints, run in a fresh interpreter (nothing imported yet)."""
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["[]", "kvtier.store.core"]
+    return out.stdout
 
 
 # ---------------------------------------------------------------------- the launcher's layer

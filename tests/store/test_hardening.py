@@ -33,7 +33,7 @@ from kvtier.codec import HEADER_SIZE
 from kvtier.errors import InvalidRequest, TierFull, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
-from kvtier.store.lower import FULL_COOL_DOWN_S
+from kvtier.store.lower import FULL_COOL_DOWN_S, LowerTierState
 from kvtier.store.records import ItemState
 from kvtier.tiers import Space
 from kvtier.tiers.disk import DiskTier
@@ -358,11 +358,18 @@ class FailsDeletesTier(DiskTier):
         super().delete(key, namespace=namespace)
 
 
-def test_an_evicted_chunk_whose_delete_fails_is_deleted_by_a_later_try(
-        tmp_path: Path, make_store: MakeStore) -> None:
+def _two_chunk_disk(tmp_path: Path, make_store: MakeStore, tier: type[DiskTier]
+                    ) -> tuple[TieredStore, LowerTierState]:
+    """A store whose disk tier holds two chunks (a third evicts one) and is a ``tier``."""
     store = make_store(tmp_path, slots=6, disk_bytes=2 * CHUNK_BYTES, io_threads=1)
     disk = store.tiers[0]
-    disk.tier = FailsDeletesTier(disk.name, disk.config)
+    disk.tier = tier(disk.name, disk.config)
+    return store, disk
+
+
+def test_an_evicted_chunk_whose_delete_fails_is_deleted_by_a_later_try(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    store, disk = _two_chunk_disk(tmp_path, make_store, FailsDeletesTier)
     k = keys(3)
     for key in k:
         store_chunks(store, [key])
@@ -385,9 +392,7 @@ def test_a_write_whose_victims_delete_breaks_still_applies_its_outcome(
         tmp_path: Path, make_store: MakeStore) -> None:
     """The write job deletes its victims first; a bug there must not lose the write's
     outcome (the entry would stay writing, its room reserved, flush never drained)."""
-    store = make_store(tmp_path, slots=6, disk_bytes=2 * CHUNK_BYTES, io_threads=1)
-    disk = store.tiers[0]
-    disk.tier = BrokenDeletesTier(disk.name, disk.config)
+    store, disk = _two_chunk_disk(tmp_path, make_store, BrokenDeletesTier)
     k = keys(3)
     for key in k:
         store_chunks(store, [key])
