@@ -98,6 +98,10 @@ def add_arguments(p: argparse.ArgumentParser, endpoint: bool = True, axes: bool 
     g.add_argument("--max-question-len", type=int, default=d.max_question_tokens,
                    help="sharegpt: cut longer questions")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--user-order", choices=("fixed", "shuffled"), default=d.user_order,
+                   help="users speak in the same order every round, or each round in an "
+                   "order of its own (seeded); measure fleets shuffled: in the fixed order a "
+                   "round-robin router pins each user to one instance by accident")
     g = p.add_argument_group("load")
     g.add_argument("--qps", type=float, help="open loop: Poisson arrivals at this rate")
     g.add_argument("--concurrency", type=int, help="closed loop: requests in flight "
@@ -120,7 +124,8 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         user_history_tokens=args.user_history_prompt, question_tokens=args.question_len,
         answer_tokens=args.answer_len, long_fraction=args.long_fraction,
         long_history_tokens=args.long_history_prompt, warmup_rounds=args.warmup_rounds,
-        dataset=args.dataset, max_question_tokens=args.max_question_len, seed=args.seed)
+        dataset=args.dataset, max_question_tokens=args.max_question_len, seed=args.seed,
+        user_order=args.user_order)
 
 
 def load_config(args: argparse.Namespace) -> LoadConfig:

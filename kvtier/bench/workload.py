@@ -9,11 +9,15 @@ Each user's conversation, as the engine sees it in round ``r`` (0-based)::
     user       question r
 
 so every request repeats the previous one of its user, plus that request's answer and a new
-question: the prefix grows round by round, and only a cache that kept it since the user's
-last turn saves recomputing it. Turns are scheduled round-major (all users' round 0, then all
-round 1, ...): between two turns of one user, every other user speaks once, which is the
-hard case for an LRU device cache. A share of users (``long_fraction``) carries a longer
-history, mixing long and short requests.
+question: the prefix grows round by round, and only a cache that kept it since the user's last
+turn saves recomputing it. Turns are scheduled round-major (all users' round 0, then all round
+1, ...): between two turns of one user, every other user speaks once, which is the hard case
+for an LRU device cache. Within a round users speak in the same order every round
+(``user_order="fixed"``) or each round in an order of its own (``"shuffled"``, seeded): with
+the fixed order and an even number of users, a round-robin router in front of two instances
+sends every user to the same instance every round — session affinity by accident, which no
+fleet of independent users gives it — so fleets are measured shuffled. A share of users
+(``long_fraction``) carries a longer history, mixing long and short requests.
 
 Text is synthetic (:mod:`kvtier.bench.textgen`, deterministic in ``seed``) or taken from
 ShareGPT conversations (:mod:`kvtier.bench.sharegpt`): the human turns are the questions and
@@ -32,6 +36,7 @@ from kvtier.bench.tokens import TokenCounter
 from kvtier.errors import ConfigError
 
 Dataset = Literal["synthetic", "sharegpt"]
+UserOrder = Literal["fixed", "shuffled"]
 Message = dict[str, str]
 
 
@@ -52,6 +57,8 @@ class WorkloadConfig:
     max_question_tokens: int = 1024
     """ShareGPT only: longer human turns are cut to this."""
     seed: int = 0
+    user_order: UserOrder = "fixed"
+    """The order users speak in within a round: the same every round, or shuffled per round."""
 
     def __post_init__(self) -> None:
         for name in ("num_users", "num_rounds", "answer_tokens"):
@@ -70,6 +77,8 @@ class WorkloadConfig:
                               f"--num-rounds ({self.num_rounds}): nothing would be measured")
         if self.dataset not in ("synthetic", "sharegpt"):
             raise ConfigError(f"--dataset: got {self.dataset!r}; allowed: synthetic, sharegpt")
+        if self.user_order not in ("fixed", "shuffled"):
+            raise ConfigError(f"--user-order: got {self.user_order!r}; allowed: fixed, shuffled")
 
 
 _FLAGS = {"system_prompt_tokens": "shared-system-prompt",
@@ -107,10 +116,17 @@ class Workload:
     conversations: tuple[Conversation, ...]
 
     def schedule(self) -> list[Turn]:
-        """Every turn, round-major: ``(0, 0), (1, 0), ..., (n-1, 0), (0, 1), ...``."""
+        """Every turn, round-major: ``(0, 0), (1, 0), ..., (n-1, 0), (0, 1), ...``; with
+        ``user_order="shuffled"`` each round's users in an order of their own (the same for
+        a given seed)."""
         warm = self.config.warmup_rounds
-        return [Turn(c.user, r, r < warm)
-                for r in range(self.config.num_rounds) for c in self.conversations]
+        turns = []
+        for r in range(self.config.num_rounds):
+            users = [c.user for c in self.conversations]
+            if self.config.user_order == "shuffled":
+                random.Random(f"kvtier-multiround:{self.config.seed}:order:{r}").shuffle(users)
+            turns += [Turn(u, r, r < warm) for u in users]
+        return turns
 
     def messages(self, user: int, round_: int, answers: Sequence[str]) -> list[Message]:
         """The chat messages of ``user``'s turn ``round_``, given its earlier answers."""

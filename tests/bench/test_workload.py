@@ -91,6 +91,24 @@ def test_schedule_is_round_major_so_every_other_user_speaks_between_two_turns() 
     assert [t.warmup for t in order] == [True] * n + [False] * (3 * n)
 
 
+def test_a_shuffled_order_changes_each_round_and_keeps_every_turn_once() -> None:
+    """Each round is every user once, rounds in order, warm-up first; the order within a
+    round is the seed's own, different between rounds, the same on every build."""
+    n = 8
+    config = small(num_users=n, num_rounds=4, warmup_rounds=1, user_order="shuffled", seed=7)
+    order = build(config, APPROX).schedule()
+    rounds = [[t.user for t in order if t.round == r] for r in range(4)]
+    assert [t.round for t in order] == sorted(t.round for t in order)
+    assert all(sorted(users) == list(range(n)) for users in rounds)
+    assert len({tuple(users) for users in rounds}) > 1, "not the same order every round"
+    assert order == build(config, APPROX).schedule(), "deterministic in the seed"
+    # the fixed order over two round-robin backends pins each user; shuffled does not
+    fixed = build(small(num_users=n, num_rounds=4), APPROX).schedule()
+    backends = [{(t.user, i % 2) for i, t in enumerate(sched)} for sched in (fixed, order)]
+    assert len(backends[0]) == n and len(backends[1]) > n
+    assert [t.warmup for t in order] == [True] * n + [False] * (3 * n)
+
+
 def test_long_users_are_the_requested_share_spread_out() -> None:
     assert long_users(10, 0.3) == {3, 6, 9}
     assert long_users(4, 0.0) == set() and long_users(4, 1.0) == {0, 1, 2, 3}
@@ -123,7 +141,7 @@ def test_empty_system_prompt_and_history_are_left_out() -> None:
     ({"num_users": 0}, "--num-users"), ({"answer_tokens": 0}, "--answer-len"),
     ({"user_history_tokens": -1}, "--user-history-prompt"),
     ({"long_fraction": 1.5}, "--long-fraction"),
-    ({"warmup_rounds": 3}, "--warmup-rounds"),
+    ({"warmup_rounds": 3}, "--warmup-rounds"), ({"user_order": "random"}, "--user-order"),
 ])
 def test_bad_settings_name_the_flag(kw: dict[str, object], flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
