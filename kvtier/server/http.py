@@ -282,6 +282,10 @@ class _Handler(BaseHTTPRequestHandler):
     node: NodeHTTP
     deadline_s: float
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    """TCP_NODELAY: the headers and the body are two writes, and with Nagle's algorithm the
+    body waited for the client's delayed ACK of the headers — 40 ms on a kept-alive
+    connection, on every router lookup (24.6 ms mean per decision measured)."""
     _deadline = 0.0
 
     def setup(self) -> None:

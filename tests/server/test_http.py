@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import statistics
 import time
 import urllib.error
 import urllib.request
@@ -48,6 +50,28 @@ def test_lookup_over_http_answers_like_the_socket(make_server: MakeServer) -> No
         status, doc = fetch(server.metrics_port, "/v1/lookup", bad)
         assert status == 400 and why in doc["error"]
     assert fetch(server.metrics_port, "/nope")[0] == 404
+
+
+def test_lookups_on_a_kept_alive_connection_do_not_wait_for_a_delayed_ack(
+        make_server: MakeServer) -> None:
+    """The answer's headers and body are two writes: without TCP_NODELAY the body waits for
+    the client's delayed ACK of the headers, ~40 ms a request on a kept-alive connection
+    (the router's lookups: 24.6 ms mean measured). A median far below that is the check."""
+    server = make_server(metrics_port=0)
+    assert server.metrics_port
+    body = json.dumps({"keys": [x.hex() for x in keys(16)]})
+    conn = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=5)
+    took = []
+    try:
+        for _ in range(25):
+            start = time.perf_counter()
+            conn.request("POST", "/v1/lookup", body, {"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            assert answer.status == 200 and json.loads(answer.read())["tiers"] == []
+            took.append(time.perf_counter() - start)
+    finally:
+        conn.close()
+    assert statistics.median(took[5:]) < 0.02, took
 
 
 def test_health_namespaces_and_metrics(make_server: MakeServer) -> None:
