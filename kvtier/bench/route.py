@@ -48,6 +48,9 @@ from kvtier.tables import table
 STOP_TIMEOUT_S = 30.0
 
 MODEL = "stub"
+NAMESPACE = bytes(range(32))
+"""The namespace the benchmark's node server registers for the demo model."""
+CHUNK_TOKENS = 256
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -136,10 +139,6 @@ def _start_node(started: list[Child], logs: Path, port: int) -> str:
     return url
 
 
-NAMESPACE = bytes(range(32))
-CHUNK_TOKENS = 256
-
-
 def _prompt(tokens: int) -> str:
     """About ``tokens`` tokens of the demo corpus (its tokenizer makes ~4 characters one)."""
     from kvtier.demo.model import corpus_text
@@ -191,8 +190,8 @@ async def _strategy_work(s: Any, routed: str) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name, key in (("decision_ms", "decision"), ("keying_ms", "keying"),
                       ("lookups_ms", "lookup")):
-        total = sum(s.value for s in found if s.name == f"kvtier_router_{key}_seconds_sum")
-        count = sum(s.value for s in found if s.name == f"kvtier_router_{key}_seconds_count")
+        total = sum(x.value for x in found if x.name == f"kvtier_router_{key}_seconds_sum")
+        count = sum(x.value for x in found if x.name == f"kvtier_router_{key}_seconds_count")
         out[name] = 1e3 * total / count if count else None
     return out
 
