@@ -63,7 +63,13 @@ from kvtier.store.leases import LeaseTable
 from kvtier.store.loads import Loads
 from kvtier.store.locking import Hold, StoreLock
 from kvtier.store.lower import LowerTierState
-from kvtier.store.placement import free_target, lower_source, record_use, servable_prefix
+from kvtier.store.placement import (
+    free_target,
+    lower_source,
+    record_use,
+    servable_prefix,
+    servable_tiers,
+)
 from kvtier.store.promotions import Promotions
 from kvtier.store.records import Entry, LeaseRecord, Where
 from kvtier.store.scan import bounded_scan, newest_that_fit
@@ -240,7 +246,7 @@ class TieredStore:
         check_keys(keys)
         now = self.clock()
         with self._locked("lookup"):
-            tiers = [tier for _key, tier in self._prefix(keys)]
+            tiers = servable_tiers(keys, self._servable)
             arrivals = self._arrivals(tiers, now)
         self.metrics.lookup_chunks.labels("hit").inc(len(tiers))
         self.metrics.lookup_chunks.labels("miss").inc(len(keys) - len(tiers))

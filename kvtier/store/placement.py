@@ -6,6 +6,7 @@ Plain values in, decisions out: no slots, no I/O, no threads, no lock. The store
 cannot drift apart::
 
     servable      servable_prefix(keys, servable)   the prefix rule: the first miss ends it
+                  servable_tiers(keys, servable)    the same, its tiers only (a lookup)
                   lower_source(tiers, key)          the first available lower tier holding a
                                                     chunk at a size an arena slot takes
     admission     TierBooks.record_use, refusal     a use of a key; why a copy is refused
@@ -234,6 +235,18 @@ def servable_prefix(keys: Iterable[K], servable: Callable[[K], str | None]
             break
         prefix.append((key, tier))
     return prefix
+
+
+def servable_tiers(keys: Iterable[K], servable: Callable[[K], str | None]) -> list[str]:
+    """:func:`servable_prefix`'s tiers alone: what a lookup answers, without a pair per key
+    (a 128K-token lookup asks this for 512 keys under the store lock)."""
+    tiers: list[str] = []
+    for key in keys:
+        tier = servable(key)
+        if tier is None:
+            break
+        tiers.append(tier)
+    return tiers
 
 
 def make_slot(free: Callable[[], bool], victim: Callable[[], K | None],

@@ -23,6 +23,7 @@ from kvtier.store.placement import (
     make_slot,
     record_use,
     servable_prefix,
+    servable_tiers,
     write_targets,
 )
 
@@ -120,6 +121,8 @@ def test_the_first_miss_ends_the_prefix() -> None:
     where = {1: "arena", 2: "disk", 4: "arena"}
     assert servable_prefix([1, 2, 3, 4], where.get) == [(1, "arena"), (2, "disk")]
     assert servable_prefix([3, 1], where.get) == []
+    assert servable_tiers([1, 2, 3, 4], where.get) == ["arena", "disk"]
+    assert servable_tiers([3, 1], where.get) == []
 
 
 class Arena:
