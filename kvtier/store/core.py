@@ -217,9 +217,9 @@ class TieredStore:
             room = state.capacity - state.used
         kept, left = newest_that_fit(usable, room)  # if the tier shrank, the oldest go
         if sharing is None:  # this node's own files that no slot here can take
-            left += [c for c in listed if not state.plausible(c.size)]
+            left += odd
         with self._locked("rebuild"):
-            state.count_implausible(odd)
+            state.count_implausible(len(odd))
             for chunk in left:
                 self.writes.delete_later(state, chunk.key, chunk.namespace)
             for chunk in kept:

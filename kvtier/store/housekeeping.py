@@ -105,7 +105,7 @@ class Housekeeper:
                 log.warning("tier %s: listing it again failed: %s", state.name, exc)
                 self.apply("rescan", state.rescan_later)
                 return
-            self.apply("rescan", functools.partial(state.count_implausible, odd))
+            self.apply("rescan", functools.partial(state.count_implausible, len(odd)))
             # a snapshot: the live check is _index_found's
             held, room = self.apply("rescan", functools.partial(_room, state))
             found, _left = newest_that_fit([c for c in listed if c.key not in held], room)

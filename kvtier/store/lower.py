@@ -141,18 +141,16 @@ class LowerTierState:
         and a forged size must not make this server evict everything to make room."""
         return self.smallest <= size <= self.fits_slot
 
-    def plausible_only(self, chunks: Iterable[StoredChunk]) -> tuple[list[StoredChunk], int]:
-        """The chunks of a listing that are ``plausible``, and how many were not (a pure
-        function of the listing: it runs outside the lock; count those with
+    def plausible_only(self, chunks: Iterable[StoredChunk]
+                       ) -> tuple[list[StoredChunk], list[StoredChunk]]:
+        """The chunks of a listing that are ``plausible``, and the others (a pure function
+        of the listing: it runs outside the lock; count the others with
         :meth:`count_implausible` under it)."""
         kept: list[StoredChunk] = []
-        left = 0
+        odd: list[StoredChunk] = []
         for chunk in chunks:
-            if self.plausible(chunk.size):
-                kept.append(chunk)
-            else:
-                left += 1
-        return kept, left
+            (kept if self.plausible(chunk.size) else odd).append(chunk)
+        return kept, odd
 
     def count_implausible(self, left: int) -> None:
         """Count ``left`` implausible chunks of a listing; the first time, say so (lock

@@ -5,8 +5,8 @@ Plain values in, decisions out: no slots, no I/O, no threads, no lock. The store
 ``kvtier trace simulate`` (:mod:`kvtier.trace.simulate`) drives them directly, so the two
 cannot drift apart::
 
-    servable      servable_prefix(keys, servable)   the prefix rule: the first miss ends it
-                  servable_tiers(keys, servable)    the same, its tiers only (a lookup)
+    servable      servable_tiers(keys, servable)    the prefix rule: the first miss ends it
+                  servable_prefix(keys, servable)   the same, each tier with its key (a lease)
                   lower_source(tiers, key)          the first available lower tier holding a
                                                     chunk at a size an arena slot takes
     admission     TierBooks.record_use, refusal     a use of a key; why a copy is refused
@@ -224,22 +224,10 @@ def lower_source(tiers: Iterable[T], key: Hashable) -> T | None:
     return None
 
 
-def servable_prefix(keys: Iterable[K], servable: Callable[[K], str | None]
-                    ) -> list[tuple[K, str]]:
-    """The longest prefix of ``keys`` each servable now, with the tier serving it: the
-    first chunk that cannot be served ends the prefix (a prefix is useful from its head)."""
-    prefix: list[tuple[K, str]] = []
-    for key in keys:
-        tier = servable(key)
-        if tier is None:
-            break
-        prefix.append((key, tier))
-    return prefix
-
-
 def servable_tiers(keys: Iterable[K], servable: Callable[[K], str | None]) -> list[str]:
-    """:func:`servable_prefix`'s tiers alone: what a lookup answers, without a pair per key
-    (a 128K-token lookup asks this for 512 keys under the store lock)."""
+    """The tier serving each chunk of the longest prefix of ``keys`` servable now: the
+    first chunk that cannot be served ends the prefix (a prefix is useful from its head).
+    What a lookup answers (a 128K-token lookup asks it for 512 keys under the store lock)."""
     tiers: list[str] = []
     for key in keys:
         tier = servable(key)
@@ -247,6 +235,12 @@ def servable_tiers(keys: Iterable[K], servable: Callable[[K], str | None]) -> li
             break
         tiers.append(tier)
     return tiers
+
+
+def servable_prefix(keys: Sequence[K], servable: Callable[[K], str | None]
+                    ) -> list[tuple[K, str]]:
+    """:func:`servable_tiers`, each tier with its key (what a lease takes)."""
+    return list(zip(keys, servable_tiers(keys, servable), strict=False))
 
 
 def make_slot(free: Callable[[], bool], victim: Callable[[], K | None],

@@ -372,7 +372,7 @@ class Sharing:
         state = self.state
         usable, odd = state.plausible_only(self.tier.scan())
         found = sorted(usable, key=lambda c: c.mtime)
-        self.apply("journal", functools.partial(state.count_implausible, odd))
+        self.apply("journal", functools.partial(state.count_implausible, len(odd)))
         listed = {c.key for c in found}
         gone = self.apply("journal", lambda: [k for k in state.sizes if k not in listed])
         for at in range(0, len(gone), APPLY_BATCH):
