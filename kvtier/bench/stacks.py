@@ -293,21 +293,16 @@ def plain_fleet_specs(env: StackEnv, n: int, router: str, policy: str, port: int
                       vllm_router: Path | None = None) -> list[ProcSpec]:
     """``n`` plain vLLM instances (no connector: the ``device`` configuration's command) on
     ``port+1`` .. ``port+n``, each bound to a core of its own on the CPU build as ``kvtier
-    serve --instances`` binds its instances (:func:`kvtier.launch.plan.instance_cpu`), then
+    serve --instances`` binds its instances (:func:`kvtier.launch.plan.instance_binding`), then
     ``router`` (``kvtier`` or ``vllm-router``, :func:`kvtier.launch.front.router_argv`) with
     ``policy`` on ``port``."""
     from kvtier.launch.front import router_argv
-    from kvtier.launch.plan import instance_cpu
+    from kvtier.launch.plan import instance_binding
 
     specs = []
     for i in range(n):
         own = port + 1 + i
-        cpu = instance_cpu(i)
-        if cpu is None:
-            specs.append(engine(f"vllm-{i}", _vllm(env, own), own))
-        else:
-            specs.append(engine(f"vllm-{i}", _vllm(env, own), own,
-                                {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}, frozenset({cpu})))
+        specs.append(engine(f"vllm-{i}", _vllm(env, own), own, *instance_binding(i)))
     backends = [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)]
     argv = router_argv(router, policy, "127.0.0.1", port, backends, [], vllm_router)
     if argv is None:

@@ -63,6 +63,15 @@ def instance_cpu(i: int) -> int | None:
     return allowed[i % len(allowed)]
 
 
+def instance_binding(i: int) -> tuple[dict[str, str], frozenset[int] | None]:
+    """What binds instance ``i`` to :func:`instance_cpu`: the environment vLLM's worker
+    threads read, and the CPU affinity of all its processes (``{}``, None: not bound)."""
+    cpu = instance_cpu(i)
+    if cpu is None:
+        return {}, None
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}, frozenset({cpu})
+
+
 def allowed_cpus() -> list[int]:
     """The CPUs this process may run on, in order."""
     try:

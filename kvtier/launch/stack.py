@@ -39,7 +39,7 @@ from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
 from kvtier.launch.front import router_argv
 from kvtier.launch.parts import ProcessPart, ServicePart, stop_together
-from kvtier.launch.plan import default_sizes, instance_cpu
+from kvtier.launch.plan import default_sizes, instance_binding, instance_cpu
 from kvtier.launch.stack_options import StackOptions
 from kvtier.launch.summary import say, tiers_line
 from kvtier.launch.supervise import PartState, Supervised, Supervisor
@@ -115,20 +115,14 @@ class Stack:
                 *o.vllm_args]
 
     def instance_env(self, i: int) -> dict[str, str]:
-        env = {**os.environ, **self.env}
-        cpu = instance_cpu(i)
-        if cpu is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # one core per instance
-        return env
+        return {**os.environ, **self.env, **instance_binding(i)[0]}
 
     def instance_part(self, i: int) -> ProcessPart:
         """vLLM's /health must say 200: it says 503 once its EngineCore died. On the CPU
-        build the whole instance runs on its core (:func:`instance_cpu`)."""
-        cpu = instance_cpu(i)
+        build the whole instance runs on its core (:func:`instance_binding`)."""
         return ProcessPart(f"instance {i}", self.instance_argv(i),
                            self.o.run_dir / f"instance-{i}.log", f"{self.url(i)}/health",
-                           env=self.instance_env(i),
-                           cpus=frozenset({cpu}) if cpu is not None else None)
+                           env=self.instance_env(i), cpus=instance_binding(i)[1])
 
     # ------------------------------------------------------------------ run
 
