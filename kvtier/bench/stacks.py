@@ -280,8 +280,9 @@ def _two_instances(router: str, policy: str, shared: bool = True
             extra = ["--vllm-router", str(installed)]
         argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
                 "--port", str(port), "--router", router, "--router-policy", policy, *extra,
+                # "none", not nothing: without --shared a stack shares its default folder
                 *(["--shared", str(env.workdir / "shared"), "--shared-size",
-                    str(env.disk_bytes)] if shared else []),
+                    str(env.disk_bytes)] if shared else ["--shared", "none"]),
                 "--arena-size", str(env.arena_bytes), "--run-dir", str(env.workdir / "stack"),
                 "--served-model-name", env.served_name, "--chunk-tokens",
                 str(env.chunk_tokens), "--enable-prefix-caching", *env.engine_args]

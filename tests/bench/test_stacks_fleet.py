@@ -116,9 +116,16 @@ def test_the_no_share_stacks_give_each_instance_only_its_arena(
     for name in names:
         stacks.get_stack(name).start(env)
     shared, alone, alone_rr = argvs
-    assert "--shared" in shared and "--shared-size" in shared
+    from kvtier.launch.stack_options import StackOptions
+
+    def tiers(argv: list[str]) -> dict[str, object] | None:
+        """The shared tier kvtier serve itself makes of the command line."""
+        return StackOptions.from_args(build_parser().parse_args(argv[3:]), 1 << 30).shared_tier()
+
+    assert tiers(shared) == {"type": "fs", "name": "shared", "capacity_bytes": env.disk_bytes,
+                             "options": {"path": str(env.workdir / "shared")}}
     for argv in (alone, alone_rr):
-        assert "--shared" not in argv and "--shared-size" not in argv
+        assert tiers(argv) is None  # not the default folder, which outlives the run
         assert argv[argv.index("--instances") + 1] == "2"
     policy = [a[a.index("--router-policy") + 1] for a in argvs]
     assert policy == ["cache", "cache", "roundrobin"]
