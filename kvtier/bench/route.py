@@ -15,8 +15,11 @@ run as processes of their own; this process is the client. In one run:
 
 With a strategy that keys prompts (``cache``, ``prefix``) a node server runs too, with the
 demo model's namespace registered (as the vLLM connector registers it), so the router renders,
-tokenizes and hashes a ``--prompt-tokens`` chat prompt with the real tokenizer and asks the
-node server about its keys on every request: what these strategies cost in production.
+tokenizes and hashes each chat prompt with the real tokenizer and asks the node server about
+its keys on every request: what these strategies cost in production. The prompts are turns of
+chats as the multi-round benchmark sends them (:class:`Chats`): each chat opens with about
+``--prompt-tokens`` tokens of its own and grows by a short answer and question a turn, for
+:data:`TURNS` turns, then a new chat takes its place; one request in :data:`TURNS` opens a chat.
 
 On a small machine the stub, the router and the client share the cores, so the routed
 figures include the contention of one more process; the router's cost on a machine of its
@@ -62,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="roundrobin",
                    choices=("roundrobin", "session", "prefix", "cache"))
     p.add_argument("--prompt-tokens", type=int, default=2000,
-                   help="about this many tokens of chat prompt, keyed by cache and prefix "
+                   help="chats open with about this many tokens, keyed by cache and prefix "
                    "(the demo model's tokenizer; other strategies get a one-line prompt)")
     p.add_argument("--json", dest="json_path", help="write the figures to this file")
     p.set_defaults(func=run)
@@ -102,7 +105,7 @@ def bench(requests: int, concurrency: int, duration_s: float, strategy: str,
                 sys.executable, "-m", "kvtier", "route", "--backends", direct, "--port",
                 str(router_port), "--strategy", strategy, "--log-level", "warning",
                 *(["--kvtier-servers", ",".join(nodes)] if nodes else [])])
-            prompt = _prompt(prompt_tokens) if keyed else None
+            prompt = Chats(prompt_tokens) if keyed else None
             router = psutil.Process(started[-1].pid)
             figures = asyncio.run(_measure(direct, routed, requests, concurrency, duration_s,
                                            prompt, router))
@@ -111,7 +114,8 @@ def bench(requests: int, concurrency: int, duration_s: float, strategy: str,
                 stop_group(proc.popen, STOP_TIMEOUT_S)
     figures.update({"strategy": strategy, "requests": requests, "concurrency": concurrency,
                     "duration_s": duration_s, "cpus": os.cpu_count(),
-                    "prompt": f"chat, about {prompt_tokens} tokens, keyed" if keyed
+                    "prompt": f"chats opening with about {prompt_tokens} tokens, {TURNS} "
+                    f"turns each, keyed" if keyed
                     else "completion, one line"})
     return figures
 
@@ -139,17 +143,45 @@ def _start_node(started: list[Child], logs: Path, port: int) -> str:
     return url
 
 
-def _prompt(tokens: int) -> str:
-    """About ``tokens`` tokens of the demo corpus (its tokenizer makes ~4 characters one)."""
-    from kvtier.demo.model import corpus_text
+TURNS = 4
+"""Turns of each chat (as the sweep's ``--num-rounds 4``)."""
+CHATS = 16
+"""Chats open at once: consecutive requests are turns of different chats."""
 
-    text = corpus_text()
-    want = 4 * tokens
-    return (text * (want // max(1, len(text)) + 1))[:want]
+
+class Chats:
+    """Request messages: turns of :data:`CHATS` chats in rotation, each opening with about
+    ``tokens`` tokens of prose of its own (the demo tokenizer makes ~4 characters a token)
+    and growing by an answer and a question (~80 tokens) a turn; after :data:`TURNS` turns a
+    chat is replaced by a new one."""
+
+    def __init__(self, tokens: int, seed: int = 0) -> None:
+        self.tokens = tokens
+        self.seed = seed
+        self._sent = 0
+
+    def next_messages(self) -> list[dict[str, str]]:
+        import random
+
+        from kvtier.bench.textgen import prose
+
+        i, self._sent = self._sent, self._sent + 1
+        slot, turn = i % CHATS, (i // CHATS) % TURNS
+        chat = i // (CHATS * TURNS) * CHATS + slot
+
+        def text(what: str, words: int) -> str:
+            return prose(random.Random(f"{self.seed}:{chat}:{what}"), words)
+
+        opening = text("opening", max(1, self.tokens * 3 // 4))[: 4 * self.tokens]
+        messages = [{"role": "user", "content": opening}]
+        for t in range(turn):
+            messages += [{"role": "assistant", "content": text(f"answer {t}", 24)},
+                         {"role": "user", "content": text(f"question {t}", 36)}]
+        return messages
 
 
 async def _measure(direct: str, routed: str, requests: int, concurrency: int,
-                   duration_s: float, prompt: str | None, router: psutil.Process
+                   duration_s: float, prompt: Chats | None, router: psutil.Process
                    ) -> dict[str, Any]:
     import aiohttp
 
@@ -197,14 +229,14 @@ async def _strategy_work(s: Any, routed: str) -> dict[str, float | None]:
 
 
 async def _latencies(s: Any, direct: str, routed: str, n: int, stream: bool,
-                     prompt: str | None) -> tuple[list[float], list[float]]:
-    body = _body(stream, prompt)
+                     prompt: Chats | None) -> tuple[list[float], list[float]]:
     for url in (direct, routed):  # warm connections and code paths
         for _ in range(20):
-            await _one(s, url, body)
+            await _one(s, url, _body(stream, prompt))
     d: list[float] = []
     r: list[float] = []
     for _ in range(n):
+        body = _body(stream, prompt)  # the same request both ways
         d.append(await _one(s, direct, body))
         r.append(await _one(s, routed, body))
     return d, r
@@ -227,16 +259,15 @@ async def _one(s: Any, url: str, body: dict[str, Any]) -> float:
 
 
 async def _throughput(s: Any, url: str, concurrency: int, duration_s: float,
-                      prompt: str | None) -> tuple[float, int]:
+                      prompt: Chats | None) -> tuple[float, int]:
     """Requests per second with ``concurrency`` clients for ``duration_s``, and how many."""
-    body = _body(False, prompt)
     stop = time.perf_counter() + duration_s
     done = 0
 
     async def client() -> None:
         nonlocal done
         while time.perf_counter() < stop:
-            await _one(s, url, body)
+            await _one(s, url, _body(False, prompt))
             done += 1
 
     start = time.perf_counter()
@@ -244,9 +275,9 @@ async def _throughput(s: Any, url: str, concurrency: int, duration_s: float,
     return done / (time.perf_counter() - start), done
 
 
-def _body(stream: bool, prompt: str | None = None) -> dict[str, Any]:
+def _body(stream: bool, prompt: Chats | None = None) -> dict[str, Any]:
     if prompt is not None:
-        return {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+        return {"model": MODEL, "messages": prompt.next_messages(),
                 "max_tokens": 1, "stream": stream}
     return {"model": MODEL, "prompt": "The router's own overhead.", "max_tokens": 1,
             "stream": stream}

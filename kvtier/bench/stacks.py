@@ -265,10 +265,17 @@ def _start_arena_shared(env: StackEnv) -> StartedConfig:
     return launch(env, [engine("kvtier-serve", argv, port)], port)
 
 
-def _two_instances(router: str, policy: str, shared: bool = True
+SHARED_KINDS = ("fs", "s3", "none")
+
+
+def _two_instances(router: str, policy: str, shared: str = "fs"
                    ) -> Callable[[StackEnv], StartedConfig]:
-    """``kvtier serve --instances 2`` (one core each, one shared fs tier, or none when not
-    ``shared``: each instance then has only its own arena) behind ``router``."""
+    """``kvtier serve --instances 2`` (one core each) behind ``router``, with one shared tier:
+    ``fs`` (a folder of the run), ``s3`` (a SeaweedFS the stack starts in its run folder: a
+    slow shared tier) or ``none`` (each instance has only its own arena)."""
+    if shared not in SHARED_KINDS:
+        raise ValueError(f"shared: expected one of {SHARED_KINDS}, got {shared!r}")
+
     def start(env: StackEnv) -> StartedConfig:
         # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102
         port = ports.free_base((0, 1, 2, 101, 102))
@@ -278,11 +285,14 @@ def _two_instances(router: str, policy: str, shared: bool = True
 
             installed = ensure_vllm_router(log_file=env.workdir.parent / "vllm-router-install.log")
             extra = ["--vllm-router", str(installed)]
+        # "none", not nothing: without --shared a stack shares its default folder, which
+        # outlives the run
+        tier = {"fs": ["--shared", str(env.workdir / "shared")], "s3": ["--shared-local", "s3"],
+                "none": ["--shared", "none"]}[shared]
+        size = ["--shared-size", str(env.disk_bytes)] if shared != "none" else []
         argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
                 "--port", str(port), "--router", router, "--router-policy", policy, *extra,
-                # "none", not nothing: without --shared a stack shares its default folder
-                *(["--shared", str(env.workdir / "shared"), "--shared-size",
-                    str(env.disk_bytes)] if shared else ["--shared", "none"]),
+                *tier, *size,
                 "--arena-size", str(env.arena_bytes), "--run-dir", str(env.workdir / "stack"),
                 "--served-model-name", env.served_name, "--chunk-tokens",
                 str(env.chunk_tokens), "--enable-prefix-caching", *env.engine_args]
@@ -341,11 +351,19 @@ register_stack("2x+vllm-router", "two instances (a core each, one shared fs tier
 _NOSHARE = ("two instances (a core each), each with only its own arena (no shared tier: "
             "routing is the only way to reuse) behind ")
 register_stack("2x-noshare+roundrobin", _NOSHARE + "kvtier route, round robin",
-               _two_instances("kvtier", "roundrobin", shared=False))
+               _two_instances("kvtier", "roundrobin", shared="none"))
 register_stack("2x-noshare+cache", _NOSHARE + "kvtier route, cache-aware",
-               _two_instances("kvtier", "cache", shared=False))
+               _two_instances("kvtier", "cache", shared="none"))
 register_stack("2x-noshare+vllm-router", _NOSHARE + "vLLM's own router (cache_aware)",
-               _two_instances("vllm-router", "cache_aware", shared=False))
+               _two_instances("vllm-router", "cache_aware", shared="none"))
+_S3 = ("two instances (a core each) sharing a slow tier, S3 on a SeaweedFS the stack starts "
+       "(same cores), behind ")
+register_stack("2x-s3+roundrobin", _S3 + "kvtier route, round robin",
+               _two_instances("kvtier", "roundrobin", shared="s3"))
+register_stack("2x-s3+cache", _S3 + "kvtier route, cache-aware",
+               _two_instances("kvtier", "cache", shared="s3"))
+register_stack("2x-s3+vllm-router", _S3 + "vLLM's own router (cache_aware)",
+               _two_instances("vllm-router", "cache_aware", shared="s3"))
 register_stack("2x-plain+vllm-router", "two plain vLLM instances (a core each, no kvtier, no "
                "shared tier) behind vLLM's own router, round robin: the plain fleet",
                _plain_fleet(2, "vllm-router", "round_robin"))

@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
+from kvtier.router.segments import SegmentEncoder
+
 log = logging.getLogger("kvtier.router")
 
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
@@ -54,6 +56,8 @@ class PromptRenderer:
 
         self.name = tokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.segments = SegmentEncoder(self._encode_plain, tokenizer)
+        """Encodes text without special tokens, reusing what earlier prompts shared."""
 
     def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids, or None when they cannot be computed exactly here."""
@@ -95,7 +99,12 @@ class PromptRenderer:
         return self._encode(text, bool(body.get("add_special_tokens", False)))
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        if not add_special_tokens:
+            return self.segments(text)
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _template(self) -> str:
         template = self.tokenizer.get_chat_template()

@@ -101,10 +101,11 @@ def test_the_plain_fleet_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
                                if li.startswith("2x-plain+kvtier-rr"))
 
 
-def test_the_no_share_stacks_give_each_instance_only_its_arena(
+def test_the_fleet_stacks_differ_only_in_their_shared_tier(
         env: StackEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     """``2x-noshare+...``: the same two-instance stack as ``2x+...`` without the shared tier
-    (routing is then the only way to reuse), the same router and strategy."""
+    (routing is then the only way to reuse), ``2x-s3+...`` with a slow one; the same router
+    and strategy."""
     argvs: list[list[str]] = []
 
     def launch(_env: StackEnv, specs: list[stacks.ProcSpec], port: int) -> stacks.StartedConfig:
@@ -112,20 +113,23 @@ def test_the_no_share_stacks_give_each_instance_only_its_arena(
         return stacks.StartedConfig(f"http://127.0.0.1:{port}", [])
 
     monkeypatch.setattr(stacks, "launch", launch)
-    names = ("2x+cache", "2x-noshare+cache", "2x-noshare+roundrobin")
+    names = ("2x+cache", "2x-noshare+cache", "2x-noshare+roundrobin", "2x-s3+cache")
     for name in names:
         stacks.get_stack(name).start(env)
-    shared, alone, alone_rr = argvs
+    shared, alone, alone_rr, s3 = argvs
     from kvtier.launch.stack_options import StackOptions
 
-    def tiers(argv: list[str]) -> dict[str, object] | None:
-        """The shared tier kvtier serve itself makes of the command line."""
-        return StackOptions.from_args(build_parser().parse_args(argv[3:]), 1 << 30).shared_tier()
+    def options(argv: list[str]) -> StackOptions:
+        """What kvtier serve itself makes of the command line."""
+        return StackOptions.from_args(build_parser().parse_args(argv[3:]), 1 << 30)
 
-    assert tiers(shared) == {"type": "fs", "name": "shared", "capacity_bytes": env.disk_bytes,
-                             "options": {"path": str(env.workdir / "shared")}}
+    assert options(shared).shared_tier() == {
+        "type": "fs", "name": "shared", "capacity_bytes": env.disk_bytes,
+        "options": {"path": str(env.workdir / "shared")}}
     for argv in (alone, alone_rr):
-        assert tiers(argv) is None  # not the default folder, which outlives the run
+        assert options(argv).shared_tier() is None  # not the default folder: it outlives runs
         assert argv[argv.index("--instances") + 1] == "2"
+    assert options(s3).shared_local == "s3"  # a SeaweedFS of the stack's own, in its run dir
+    assert options(s3).run_dir == env.workdir / "stack"
     policy = [a[a.index("--router-policy") + 1] for a in argvs]
-    assert policy == ["cache", "cache", "roundrobin"]
+    assert policy == ["cache", "cache", "roundrobin", "cache"]

@@ -54,3 +54,21 @@ def test_a_prompt_of_no_tokens_is_refused(capsys: pytest.CaptureFixture[str]) ->
 
 def test_the_command_offers_every_registered_strategy() -> None:
     assert sorted(STRATEGY_NAMES) == sorted(STRATEGIES)
+
+
+def test_keyed_prompts_are_chats_that_grow_turn_by_turn() -> None:
+    """Each request is the next turn of one of CHATS chats: it extends that chat's previous
+    turn (what the router's segment reuse meets in production); chats do not share text."""
+    from kvtier.bench.route import CHATS, TURNS, Chats
+
+    chats = Chats(400)
+    sent = [chats.next_messages() for _ in range(2 * CHATS * TURNS)]
+    openings = [m for m in sent if len(m) == 1]
+    assert len(openings) == 2 * CHATS  # one request in TURNS opens a chat
+    assert len({m[0]["content"] for m in openings}) == len(openings)
+    assert all(1000 < len(m[0]["content"]) <= 1600 for m in openings)
+    for i, messages in enumerate(sent):
+        turn = (i // CHATS) % TURNS
+        assert len(messages) == 1 + 2 * turn
+        if turn:
+            assert messages[:-2] == sent[i - CHATS]  # the same chat's turn before

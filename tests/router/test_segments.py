@@ -1,0 +1,142 @@
+"""The router encodes a conversation's new text only: segments of the prompt are kept, the
+result is the whole prompt's tokens, and a tokenizer that does not cut cleanly is caught."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+import pytest
+
+from kvtier.router import segments
+from kvtier.router.prompts import PromptRenderer
+from kvtier.router.segments import SegmentEncoder
+
+
+@pytest.fixture(scope="module")
+def renderer() -> PromptRenderer:
+    from kvtier.demo import ensure_demo_model
+
+    return PromptRenderer(str(ensure_demo_model()))
+
+
+def conversation(rng: random.Random, turns: int) -> list[list[dict[str, str]]]:
+    """The messages of each turn of one chat: a long first message, then short turns, with
+    blank lines, line breaks at the edges of messages and runs of spaces on the way."""
+    words = ["the", "river", "city", "42", "x=1;", "(a)", "it's", "naïve", "東京", "🙂", "\n",
+             "\n\n", "  ", "\t", "end.\n"]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    messages = [{"role": "system", "content": text(300)}, {"role": "user", "content": text(900)}]
+    out = [list(messages)]
+    for _ in range(turns - 1):
+        messages += [{"role": "assistant", "content": text(40)},
+                     {"role": "user", "content": "\n" + text(30) + "\n"}]
+        out.append(list(messages))
+    return out
+
+
+def test_every_turn_gets_the_whole_prompts_tokens_and_reuses_the_turn_before(
+        renderer: PromptRenderer) -> None:
+    rng = random.Random(7)
+    for chat in (conversation(rng, 6), conversation(rng, 6)):
+        for turn, messages in enumerate(chat):
+            before = renderer.segments.stats()
+            body = {"messages": messages}
+            got = renderer.tokens("chat", body)
+            text = renderer.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=True)
+            assert got == renderer.tokenizer(text, add_special_tokens=False)["input_ids"]
+            after = renderer.segments.stats()
+            assert after["enabled"]
+            if turn:  # most of a later turn's text came from kept segments
+                reused = int(after["reused_chars"]) - int(before["reused_chars"])
+                assert reused > len(text) * 0.6, (turn, reused, len(text))
+
+
+def test_cuts_depend_only_on_the_text_before_them() -> None:
+    encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=16)
+    rng = random.Random(3)
+    text = "".join(rng.choice(["a", "b ", "\n", "c\n", "\n\n", " "]) for _ in range(3000))
+    whole = encoder.segments(text)
+    assert "".join(whole) == text
+    assert all(len(s) >= 16 for s in whole[:-1])
+    for end in range(0, len(text), 97):
+        head = encoder.segments(text[:end])
+        assert head[:-1] == whole[:max(len(head) - 1, 0)]  # all but the last are the same
+
+
+def test_a_tokenizer_that_does_not_cut_cleanly_is_caught_and_answered_whole(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def with_length(text: str) -> list[int]:  # every piece's tokens start with its length
+        return [len(text), *map(ord, text)]
+
+    encoder = SegmentEncoder(with_length, "odd", min_chars=8)
+    text = "one line\ntwo line\nthree line\nfour line\n"
+    with caplog.at_level(logging.WARNING, "kvtier.router"):
+        assert encoder(text) == with_length(text)
+        assert encoder(text + "five\n") == with_length(text + "five\n")
+    assert not encoder.stats()["enabled"] and encoder.stats()["segments"] == 0
+    assert len([r for r in caplog.records if "encoded whole" in r.getMessage()]) == 1
+
+
+def test_checks_keep_coming_after_the_first_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer that differs only on some text is still caught later on."""
+    def odd_on_z(text: str) -> list[int]:
+        return [*map(ord, text), *([0] if text.endswith("z\n") else [])]
+
+    monkeypatch.setattr(segments, "CHECK_EVERY", 4)
+    encoder = SegmentEncoder(odd_on_z, "z", min_chars=4)
+    wrong = 0
+    for i in range(segments.CHECK_FIRST + 12):
+        text = f"abcd\nefgh\nijkl{i}\nmnop" + ("z\nqrs" if i >= segments.CHECK_FIRST else "")
+        wrong += encoder(text) != odd_on_z(text)
+    assert not encoder.stats()["enabled"]
+    assert 0 < wrong < segments.CHECK_EVERY  # sampled: a few misroutes at most, then whole
+
+
+def test_kept_tokens_stay_within_the_bound() -> None:
+    encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=10,
+                             max_tokens=100)
+    for i in range(200):
+        text = f"{i:04d} some words\nmore words here\nand the end {i}\n" * 3
+        assert encoder(text) == [ord(c) for c in text]
+        assert int(encoder.stats()["tokens"]) <= 100
+    one_huge = "x" * 500 + "\n" + "y" * 500
+    assert encoder(one_huge) == [ord(c) for c in one_huge]
+    assert int(encoder.stats()["tokens"]) <= 100
+
+
+def test_hostile_texts_cost_what_their_size_does() -> None:
+    encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=1024)
+    lines = "a\n" * 500_000  # a million characters, half a million cut points
+    assert encoder(lines) == [ord(c) for c in lines]
+    assert len(encoder.segments(lines)) <= len(lines) // 1024 + 1
+    blank = "\n" * 100_000 + " " * 100_000  # nowhere to cut
+    assert encoder.segments(blank) == [blank]
+    assert encoder(blank) == [ord(c) for c in blank]
+
+
+def test_threads_encoding_at_once_all_get_their_own_tokens() -> None:
+    encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=32,
+                             max_tokens=5000)
+    shared = "a system prompt every thread shares\n" * 20
+    failures: list[str] = []
+
+    def work(n: int) -> None:
+        rng = random.Random(n)
+        text = shared
+        for _ in range(60):
+            text += f"turn {rng.random()}\nreply {n}\n"
+            if encoder(text) != [ord(c) for c in text]:
+                failures.append(text)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failures == [] and encoder.stats()["enabled"]
