@@ -101,7 +101,7 @@ class SegmentEncoder:
                     self._kept.move_to_end(digest)
                     self.reused_chars += len(segment)
             if kept is None:
-                kept = array("l", self._encode(segment))
+                kept = array("i", self._encode(segment))
                 self._keep(digest, kept, len(segment))
             out.extend(kept)
         return out
