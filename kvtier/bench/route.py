@@ -19,7 +19,8 @@ tokenizes and hashes each chat prompt with the real tokenizer and asks the node 
 its keys on every request: what these strategies cost in production. The prompts are turns of
 chats as the multi-round benchmark sends them (:class:`Chats`): each chat opens with about
 ``--prompt-tokens`` tokens of its own and grows by a short answer and question a turn, for
-:data:`TURNS` turns, then a new chat takes its place; one request in :data:`TURNS` opens a chat.
+``--turns`` turns (default :data:`TURNS`), then a new chat takes its place: one request in
+``--turns`` opens a chat (``--turns 1``: every prompt is new to the router).
 
 On a small machine the stub, the router and the client share the cores, so the routed
 figures include the contention of one more process; the router's cost on a machine of its
@@ -67,16 +68,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=2000,
                    help="chats open with about this many tokens, keyed by cache and prefix "
                    "(the demo model's tokenizer; other strategies get a one-line prompt)")
+    p.add_argument("--turns", type=int, default=TURNS,
+                   help="turns of each chat; one request in this many opens a new chat "
+                   "(default: %(default)s)")
     p.add_argument("--json", dest="json_path", help="write the figures to this file")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.prompt_tokens < 1:
-        print("kvtier bench route: --prompt-tokens must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--turns", args.turns)):
+        if value < 1:
+            print(f"kvtier bench route: {flag} must be at least 1", file=sys.stderr)
+            return 2
     figures = bench(args.requests, args.concurrency, args.duration_s, args.strategy,
-                    args.prompt_tokens)
+                    args.prompt_tokens, args.turns)
     print_figures(figures)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(figures, indent=2, sort_keys=True))
@@ -88,7 +93,7 @@ KEYED = ("cache", "prefix")
 
 
 def bench(requests: int, concurrency: int, duration_s: float, strategy: str,
-          prompt_tokens: int = 2000) -> dict[str, Any]:
+          prompt_tokens: int = 2000, turns: int = 4) -> dict[str, Any]:
     stub_port, router_port, node_port = free_ports(3)
     direct = f"http://127.0.0.1:{stub_port}"
     routed = f"http://127.0.0.1:{router_port}"
@@ -105,7 +110,7 @@ def bench(requests: int, concurrency: int, duration_s: float, strategy: str,
                 sys.executable, "-m", "kvtier", "route", "--backends", direct, "--port",
                 str(router_port), "--strategy", strategy, "--log-level", "warning",
                 *(["--kvtier-servers", ",".join(nodes)] if nodes else [])])
-            prompt = Chats(prompt_tokens) if keyed else None
+            prompt = Chats(prompt_tokens, turns) if keyed else None
             router = psutil.Process(started[-1].pid)
             figures = asyncio.run(_measure(direct, routed, requests, concurrency, duration_s,
                                            prompt, router))
@@ -114,7 +119,7 @@ def bench(requests: int, concurrency: int, duration_s: float, strategy: str,
                 stop_group(proc.popen, STOP_TIMEOUT_S)
     figures.update({"strategy": strategy, "requests": requests, "concurrency": concurrency,
                     "duration_s": duration_s, "cpus": os.cpu_count(),
-                    "prompt": f"chats opening with about {prompt_tokens} tokens, {TURNS} "
+                    "prompt": f"chats opening with about {prompt_tokens} tokens, {turns} "
                     f"turns each, keyed" if keyed
                     else "completion, one line"})
     return figures
@@ -144,7 +149,7 @@ def _start_node(started: list[Child], logs: Path, port: int) -> str:
 
 
 TURNS = 4
-"""Turns of each chat (as the sweep's ``--num-rounds 4``)."""
+"""Turns of each chat by default (as the sweep's ``--num-rounds 4``)."""
 CHATS = 16
 """Chats open at once: consecutive requests are turns of different chats."""
 
@@ -152,11 +157,12 @@ CHATS = 16
 class Chats:
     """Request messages: turns of :data:`CHATS` chats in rotation, each opening with about
     ``tokens`` tokens of prose of its own (the demo tokenizer makes ~4 characters a token)
-    and growing by an answer and a question (~80 tokens) a turn; after :data:`TURNS` turns a
+    and growing by an answer and a question (~80 tokens) a turn; after ``turns`` turns a
     chat is replaced by a new one."""
 
-    def __init__(self, tokens: int, seed: int = 0) -> None:
+    def __init__(self, tokens: int, turns: int = TURNS, seed: int = 0) -> None:
         self.tokens = tokens
+        self.turns = turns
         self.seed = seed
         self._sent = 0
 
@@ -166,8 +172,8 @@ class Chats:
         from kvtier.bench.textgen import prose
 
         i, self._sent = self._sent, self._sent + 1
-        slot, turn = i % CHATS, (i // CHATS) % TURNS
-        chat = i // (CHATS * TURNS) * CHATS + slot
+        slot, turn = i % CHATS, (i // CHATS) % self.turns
+        chat = i // (CHATS * self.turns) * CHATS + slot
 
         def text(what: str, words: int) -> str:
             return prose(random.Random(f"{self.seed}:{chat}:{what}"), words)

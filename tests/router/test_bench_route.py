@@ -50,6 +50,8 @@ def test_a_keyed_strategy_is_measured_with_a_node_server_and_a_real_tokenizer(
 def test_a_prompt_of_no_tokens_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "route", "--prompt-tokens", "0"]) == 2
     assert "--prompt-tokens" in capsys.readouterr().err
+    assert main(["bench", "route", "--turns", "0"]) == 2
+    assert "--turns must be at least 1" in capsys.readouterr().err
 
 
 def test_the_command_offers_every_registered_strategy() -> None:
@@ -72,3 +74,12 @@ def test_keyed_prompts_are_chats_that_grow_turn_by_turn() -> None:
         assert len(messages) == 1 + 2 * turn
         if turn:
             assert messages[:-2] == sent[i - CHATS]  # the same chat's turn before
+
+
+def test_one_turn_a_chat_makes_every_prompt_new() -> None:
+    from kvtier.bench.route import Chats
+
+    chats = Chats(300, turns=1)
+    sent = [chats.next_messages() for _ in range(50)]
+    assert all(len(m) == 1 for m in sent)
+    assert len({m[0]["content"] for m in sent}) == 50
