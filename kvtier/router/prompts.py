@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from kvtier.router.segments import SegmentEncoder
+from kvtier.router.segments import SegmentEncoder, unsafe_reason
 
 log = logging.getLogger("kvtier.router")
 
@@ -56,7 +56,8 @@ class PromptRenderer:
 
         self.name = tokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.segments = SegmentEncoder(self._encode_plain, tokenizer)
+        self.segments = SegmentEncoder(self._encode_plain, tokenizer,
+                                       unsafe=unsafe_reason(self.tokenizer))
         """Encodes text without special tokens, reusing what earlier prompts shared."""
 
     def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:

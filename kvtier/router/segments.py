@@ -16,17 +16,21 @@ beginning alike, and a system prompt or document many conversations share is reu
 Why a cut there is exact: byte-level BPE merges within the pieces its pre-tokenizer splits
 the text into, and the pre-tokenizers of GPT-2, Llama 3, Qwen and the demo model never join a
 line break with a non-blank character after it, so the pieces of the whole text are the pieces
-of its segments. Other tokenizers may differ (a SentencePiece "▁" prefix on every segment, a
-normalizer that reads across lines, a special token with ``lstrip``), so the encoder checks
-itself: its first :data:`CHECK_FIRST` segmented encodings and one in :data:`CHECK_EVERY`
-afterwards are also encoded whole, and one difference turns segments off for that tokenizer
-for good (logged once) and answers with the whole encoding. A wrong token could only misroute
+of its segments. What is known to break that is refused up front (:func:`unsafe_reason`): a
+byte-level pre-tokenizer that adds a prefix space (it would add one to every segment), an
+added token with ``lstrip`` (it swallows the line break before it) or with a cut point inside
+it. Other tokenizers may differ too (a SentencePiece "▁" prefix on every segment, a normalizer
+that reads across lines), so the encoder checks itself: its first :data:`CHECK_FIRST`
+segmented encodings and one in :data:`CHECK_EVERY` afterwards are also encoded whole, and one
+difference turns segments off for that tokenizer for good (logged once) and answers with the
+whole encoding. A wrong token could only misroute
 a request (the engine computes its own keys); it is never served as KV.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import threading
@@ -34,17 +38,25 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import pairwise
+from typing import Any
 
 log = logging.getLogger("kvtier.router")
 
 MIN_CHARS = 1024
 """The shortest segment, in characters: fewer, larger pieces to look up and encode."""
 MAX_TOKENS = 4_000_000
-"""Tokens kept across all segments of one tokenizer (about 16 MiB)."""
+"""What one tokenizer keeps, in tokens plus :data:`ENTRY_COST` per segment: at most ~16 MiB
+of token ids and ~240 bytes of bookkeeping for each of at most 62,500 segments (~31 MiB)."""
+ENTRY_COST = 64
+"""A kept segment's bookkeeping (digest, dict slot, array header), counted as tokens."""
+LARGEST_SHARE = 8
+"""No one segment takes more than 1/8 of :data:`MAX_TOKENS`: one huge prompt cannot empty
+what everyone else's conversations keep."""
 CHECK_FIRST = 8
 CHECK_EVERY = 64
 
 _CUT = re.compile(r"(?<=\S\n)(?=\S)")
+_INSIDE = re.compile(r"\n\S")
 
 
 class SegmentEncoder:
@@ -52,16 +64,21 @@ class SegmentEncoder:
     segments it has seen. Thread-safe: the router encodes in worker threads."""
 
     def __init__(self, encode: Callable[[str], list[int]], name: str, *,
-                 min_chars: int = MIN_CHARS, max_tokens: int = MAX_TOKENS) -> None:
+                 min_chars: int = MIN_CHARS, max_tokens: int = MAX_TOKENS,
+                 unsafe: str | None = None) -> None:
         self._encode = encode
         self.name = name
         self.min_chars = min_chars
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
         self._kept: OrderedDict[bytes, array[int]] = OrderedDict()
-        self._kept_tokens = 0
+        self._kept_cost = 0
         self._calls = 0
-        self.enabled = True
+        self.enabled = unsafe is None
+        """False when the tokenizer is known not to cut cleanly (``unsafe`` says why), or
+        once a check found a difference: every text is then encoded whole."""
+        if unsafe is not None:
+            log.info("tokenizer %s: prompts are encoded whole (%s)", name, unsafe)
         self.encoded_chars = 0
         """Characters handed to the tokenizer by the segmented path (checks not counted)."""
         self.reused_chars = 0
@@ -92,7 +109,8 @@ class SegmentEncoder:
 
     def _segmented(self, text: str) -> list[int]:
         out: list[int] = []
-        for segment in self.segments(text):
+        pieces = self.segments(text)
+        for i, segment in enumerate(pieces):
             digest = hashlib.blake2b(segment.encode("utf-8", "surrogatepass"),
                                      digest_size=16).digest()
             with self._lock:
@@ -102,26 +120,31 @@ class SegmentEncoder:
                     self.reused_chars += len(segment)
             if kept is None:
                 kept = array("i", self._encode(segment))
-                self._keep(digest, kept, len(segment))
+                # a last piece shorter than a segment is where the next turn goes on: never
+                # asked for again, not kept
+                keep = i < len(pieces) - 1 or len(segment) >= self.min_chars
+                self._keep(digest, kept, len(segment), keep)
             out.extend(kept)
         return out
 
-    def _keep(self, digest: bytes, tokens: array[int], chars: int) -> None:
+    def _keep(self, digest: bytes, tokens: array[int], chars: int, keep: bool) -> None:
+        cost = len(tokens) + ENTRY_COST
         with self._lock:
             self.encoded_chars += chars
-            if not self.enabled or len(tokens) > self.max_tokens or digest in self._kept:
+            if (not keep or not self.enabled or cost > self.max_tokens // LARGEST_SHARE
+                    or digest in self._kept):
                 return
             self._kept[digest] = tokens
-            self._kept_tokens += len(tokens)
-            while self._kept_tokens > self.max_tokens:
+            self._kept_cost += cost
+            while self._kept_cost > self.max_tokens:
                 _, dropped = self._kept.popitem(last=False)
-                self._kept_tokens -= len(dropped)
+                self._kept_cost -= len(dropped) + ENTRY_COST
 
     def _turn_off(self) -> None:
         with self._lock:
             was, self.enabled = self.enabled, False
             self._kept.clear()
-            self._kept_tokens = 0
+            self._kept_cost = 0
         if was:
             log.warning("tokenizer %s: encoding a prompt in segments gave other tokens than "
                         "encoding it whole; prompts are encoded whole from now on", self.name)
@@ -129,5 +152,38 @@ class SegmentEncoder:
     def stats(self) -> dict[str, int | bool]:
         with self._lock:
             return {"enabled": self.enabled, "segments": len(self._kept),
-                    "tokens": self._kept_tokens, "encoded_chars": self.encoded_chars,
+                    "cost": self._kept_cost, "encoded_chars": self.encoded_chars,
                     "reused_chars": self.reused_chars}
+
+
+def unsafe_reason(tokenizer: Any) -> str | None:
+    """Why ``tokenizer`` (a transformers tokenizer) is known not to cut cleanly at
+    :data:`_CUT`, or None. Reads its backend's pre-tokenizer and its added tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            doc = json.loads(backend.to_str())
+        except (ValueError, TypeError, AttributeError):
+            return "its tokenizer.json cannot be read"
+        if _adds_prefix_space(doc.get("pre_tokenizer")):
+            return "its pre-tokenizer adds a prefix space"
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for token in added.values():
+        content = str(getattr(token, "content", token))
+        if getattr(token, "lstrip", False):
+            return f"added token {content!r} strips the blanks before it"
+        if _INSIDE.search(content):  # a cut could fall inside the token
+            return f"added token {content!r} holds a line break before a non-blank"
+    return None
+
+
+def _adds_prefix_space(node: Any) -> bool:
+    if isinstance(node, dict):
+        if node.get("add_prefix_space") is True:
+            return True
+        if node.get("prepend_scheme") in ("always", "first"):
+            return True
+        return any(_adds_prefix_space(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_adds_prefix_space(v) for v in node)
+    return False

@@ -8,10 +8,11 @@ import random
 import threading
 
 import pytest
+from tokenizers import AddedToken, Regex, pre_tokenizers
 
 from kvtier.router import segments
 from kvtier.router.prompts import PromptRenderer
-from kvtier.router.segments import SegmentEncoder
+from kvtier.router.segments import SegmentEncoder, unsafe_reason
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,9 @@ def conversation(rng: random.Random, turns: int) -> list[list[dict[str, str]]]:
 
 
 def test_every_turn_gets_the_whole_prompts_tokens_and_reuses_the_turn_before(
-        renderer: PromptRenderer) -> None:
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments, "CHECK_FIRST", 0)  # what it answers is the segments' own
+    monkeypatch.setattr(segments, "CHECK_EVERY", 10**9)
     rng = random.Random(7)
     for chat in (conversation(rng, 6), conversation(rng, 6)):
         for turn, messages in enumerate(chat):
@@ -55,6 +58,66 @@ def test_every_turn_gets_the_whole_prompts_tokens_and_reuses_the_turn_before(
             if turn:  # most of a later turn's text came from kept segments
                 reused = int(after["reused_chars"]) - int(before["reused_chars"])
                 assert reused > len(text) * 0.6, (turn, reused, len(text))
+
+
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+          r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+         r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TRICKY = ["a", "Zz", "'s", "'LL", "42", "12345", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\v",
+          "\f", "\x85", "\u2028", "\x1c", "\xa0", "\u3000", "\u200b", "e\u0301", "\u00a8",
+          "東京", "🙂", ".", "?!", "<|user|>", "(", "x=1;", "-", "\\"]
+
+
+@pytest.mark.parametrize("name, pre", [
+    ("gpt2", pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)),
+    ("llama3", pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+    ("qwen2", pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+])
+def test_the_pieces_of_the_segments_are_the_pieces_of_the_whole(
+        name: str, pre: pre_tokenizers.PreTokenizer) -> None:
+    """The exactness argument itself, on the pre-tokenizers of GPT-2, Llama 3 and Qwen2:
+    byte-level BPE merges within pieces, so equal pieces give equal tokens."""
+    encoder = SegmentEncoder(lambda t: [], name, min_chars=3)
+    rng = random.Random(name)
+    for _ in range(1500):
+        text = "".join(rng.choice(TRICKY) for _ in range(rng.randint(1, 40)))
+        whole = [p for p, _ in pre.pre_tokenize_str(text)]
+        pieces = [p for seg in encoder.segments(text) for p, _ in pre.pre_tokenize_str(seg)]
+        assert pieces == whole, repr(text)
+
+
+def test_tokenizers_known_not_to_cut_cleanly_are_encoded_whole(
+        renderer: PromptRenderer) -> None:
+    from transformers import AutoTokenizer
+
+    from kvtier.demo import ensure_demo_model
+
+    assert unsafe_reason(renderer.tokenizer) is None and renderer.segments.enabled
+    text = ("first line of a prompt that goes on\n<x>second line\n" * 40)
+    stripping = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
+    stripping.add_tokens([AddedToken("<x>", lstrip=True)])
+    prefixed = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
+    prefixed.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    inner = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
+    inner.add_tokens([AddedToken("\n<x>", normalized=False)])
+    for tok, why in ((stripping, "strips"), (prefixed, "prefix space"),
+                     (inner, "line break before a non-blank")):
+        reason = unsafe_reason(tok)
+        assert reason is not None and why in reason
+
+        def encode(t: str, tok: object = tok) -> list[int]:
+            return list(tok(t, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+        cut = SegmentEncoder(encode, why, min_chars=16)  # as if it were not known
+        pieces = [t for seg in cut.segments(text) for t in encode(seg)]
+        assert pieces != encode(text), "the refusal is needed: segments would differ"
+        refused = SegmentEncoder(encode, why, min_chars=16, unsafe=reason)
+        assert refused(text) == encode(text) and not refused.stats()["enabled"]
 
 
 def test_cuts_depend_only_on_the_text_before_them() -> None:
@@ -98,16 +161,29 @@ def test_checks_keep_coming_after_the_first_ones(monkeypatch: pytest.MonkeyPatch
     assert 0 < wrong < segments.CHECK_EVERY  # sampled: a few misroutes at most, then whole
 
 
-def test_kept_tokens_stay_within_the_bound() -> None:
+def test_what_is_kept_stays_within_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments, "ENTRY_COST", 4)
     encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=10,
-                             max_tokens=100)
+                             max_tokens=400)
     for i in range(200):
         text = f"{i:04d} some words\nmore words here\nand the end {i}\n" * 3
         assert encoder(text) == [ord(c) for c in text]
-        assert int(encoder.stats()["tokens"]) <= 100
-    one_huge = "x" * 500 + "\n" + "y" * 500
+        assert int(encoder.stats()["cost"]) <= 400
+    one_huge = "x" * 500 + "\n" + "y" * 500  # more than an eighth of the bound: not kept
+    before = encoder.stats()["segments"]
     assert encoder(one_huge) == [ord(c) for c in one_huge]
-    assert int(encoder.stats()["tokens"]) <= 100
+    assert encoder.stats()["segments"] == before
+
+
+def test_a_short_last_piece_is_not_kept() -> None:
+    """Where a turn's text ends the next turn goes on: a short last piece, different in
+    every request, would fill the LRU with entries nobody asks for again."""
+    encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=32)
+    head = "a long shared beginning of text\n" * 4
+    for i in range(500):
+        text = head + f"unique tail {i}"
+        assert encoder(text) == [ord(c) for c in text]
+    assert int(encoder.stats()["segments"]) <= 4
 
 
 def test_hostile_texts_cost_what_their_size_does() -> None:
