@@ -4,7 +4,7 @@ Counts every answer by backend, endpoint and status, its latency and first byte;
 ``cache`` strategy's predictions, the predicted and the reported sources of the prompt's
 tokens (``kv_transfer_params.kvtier.tokens``); and, from a request that had its backend to
 itself, a prefill-speed sample (recomputed tokens over TTFT less load time) and, from
-streams, the time between chunks.
+streams, the time between chunks and the time from first to last byte (decoding).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Accounting:
         if outcome.streamed and outcome.chunks >= 3 and outcome.first_byte and outcome.last_byte:
             backend.load.itl_s.add((outcome.last_byte - outcome.first_byte)
                                    / (outcome.chunks - 1))
+            backend.load.decode_s.add(outcome.last_byte - outcome.first_byte)
         actual = _actual_sources(outcome.doc)
         pred = decision.prediction
         if pred is not None:

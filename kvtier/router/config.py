@@ -33,6 +33,9 @@ class CostModel:
     """vLLM's device cache size in tokens when the backend's /metrics does not say."""
     lookup_timeout_s: float = 0.1
     """A node server that has not answered a lookup by then counts as holding nothing."""
+    decode_weight: float = 0.5
+    """Seconds a request decoding on a backend adds to a newcomer's estimate there, as a
+    share of how long requests decode on it (0: decoding requests are not counted)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ class RouterConfig:
         cost = CostModel(
             prefill_tokens_per_s=_positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s"),
             device_ttl_s=_positive(args.device_ttl_s, "--device-ttl-s"),
-            lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"))
+            lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"),
+            decode_weight=_weight(args.decode_weight, "--decode-weight"))
         api_key = read_key(args.api_key_env, args.api_key_file, "--api-key")
         return cls(
             backends=backends, kvtier_servers=servers, strategy=args.strategy,
@@ -169,6 +173,12 @@ def read_key(env: str | None, file: str | None, option: str) -> str | None:
 def _positive(value: float, option: str) -> float:
     if not value > 0:
         raise ConfigError(f"{option}: must be > 0, got {value}")
+    return float(value)
+
+
+def _weight(value: float, option: str) -> float:
+    if not 0 <= value <= 100:  # NaN and infinity too
+        raise ConfigError(f"{option}: must be between 0 and 100, got {value}")
     return float(value)
 
 

@@ -9,6 +9,10 @@ is busy until ``busy_until``::
     on a first byte or end:   busy_until = now + sum of predicted over flights still prefilling
     wait = max(0, busy_until - now) + others * mean_prefill_s
 
+Requests decoding are not in that queue, but they share the backend's steps with a newcomer:
+the ``cache`` strategy adds ``decode_weight * decode_s`` for each (``decode_s``: how long a
+request decoded here, from streams' first to last byte).
+
 The second line corrects the queue whenever a prefill ends sooner or later than predicted. A
 flight is prefilling until its first streamed byte (a whole answer's first byte is its last).
 
@@ -57,10 +61,18 @@ class BackendLoad:
         self.mean_prefill_s = Ema(0.0, alpha)
         self.itl_s = Ema(0.0, alpha)
         """Seconds between streamed chunks (to take decoding out of whole responses)."""
+        self.decode_s = Ema(0.0, alpha)
+        """Seconds from a streamed answer's first byte to its last: how long a request
+        decodes on this backend (0 until a stream has been seen)."""
 
     @property
     def in_flight(self) -> int:
         return len(self._flights)
+
+    @property
+    def decoding(self) -> int:
+        """Flights past their first byte: decoding, no longer in the prefill queue."""
+        return sum(1 for f in self._flights.values() if f.first_byte is not None)
 
     def wait_s(self, now: float) -> float:
         return max(0.0, self.busy_until - now) + self.others * self.mean_prefill_s.value

@@ -107,3 +107,58 @@ def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
     shared_hits = registry.get_sample_value("kvtier_router_hit_source_total",
                                             {"predicted": "shared", "actual": "shared"})
     assert shared_hits and shared_hits >= 1, "the other instance loaded from the shared tier"
+
+
+async def staggered(tmp_path: Path, shared: bool, speed: float) -> dict[str, int]:
+    """Streams sharing PREFIX sent 150 ms apart, each decoding ~0.4 s: when one is routed
+    the earlier ones are decoding (no longer in any prefill queue)."""
+    nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
+    try:
+        engines = [EngineModel(n, chunk_tokens=CHUNK, speed=speed) for n in nodes]
+        for e in engines:
+            e.register()
+        async with stubs(2) as backends:
+            for b, e in zip(backends, engines, strict=True):
+                b.engine, b.tokens, b.token_s = e, 9, 0.05
+            servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
+            cost = CostModel(lookup_timeout_s=2.0)
+            async with running_router(router_config(
+                    backends, strategy="cache", kvtier_servers=servers, cost=cost)) as router, \
+                    aiohttp.ClientSession() as s:
+                await asyncio.sleep(0.3)
+                url = f"http://127.0.0.1:{router.port}/v1/completions"
+                for i in range(2):  # the backends' prefill speed and decode time, measured
+                    await post(s, url, completion([7000 + i] * CHUNK * 20, stream=True))
+                _, _, h = await post(s, url, completion(PREFIX + [1] * CHUNK, stream=True))
+                warm = h["X-Kvtier-Backend"]
+                other = next(i for i, b in enumerate(backends) if b.url != warm)
+                if shared:
+                    deadline = time.monotonic() + 10
+                    while len(held_by(nodes[other], PREFIX)) < 40:
+                        assert time.monotonic() < deadline, "journal never caught up"
+                        await asyncio.sleep(0.05)
+
+                async def later(i: int) -> str:
+                    await asyncio.sleep(0.15 * i)
+                    status, _, headers = await post(
+                        s, url, completion(PREFIX + [i + 2] * CHUNK, stream=True))
+                    assert status == 200
+                    return str(headers["X-Kvtier-Backend"])
+
+                went = await asyncio.gather(*(later(i) for i in range(6)))
+                return {"warm": went.count(warm), "other": len(went) - went.count(warm)}
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_requests_decoding_count_against_a_backend_when_others_can_load_fast(
+        tmp_path: Path) -> None:
+    """With a shared tier the backend holding the prefix in its arena saves only a fast
+    load: the requests decoding there make the other sooner. Without one, recomputing
+    the prefix elsewhere (2.2 s here) costs more than sharing steps with a few streams."""
+    spread = asyncio.run(staggered(tmp_path / "shared", shared=True, speed=300))
+    kept = asyncio.run(staggered(tmp_path / "local", shared=False, speed=300))
+    print(f"\nshared tier: {spread}; node-local tiers: {kept}")
+    assert spread["other"] >= 2, spread
+    assert kept["warm"] >= 5, kept

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
+from kvtier.cli import build_parser
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
+from kvtier.router.config import RouterConfig
 from kvtier.router.cost import Holding, estimate
 from kvtier.router.history import DeviceHistory
 from kvtier.router.load import BackendLoad
@@ -92,3 +97,32 @@ def test_engine_gauges_from_vllm_metrics() -> None:
     gauges = engine_gauges(text)
     assert (gauges.running, gauges.waiting, gauges.device_tokens) == (2, 3, 16000)
     assert engine_gauges("").device_tokens is None
+
+
+def test_the_decode_weight_is_a_finite_share() -> None:
+    parser = build_parser()
+
+    def config(weight: str) -> RouterConfig:
+        return RouterConfig.from_args(parser.parse_args(
+            ["route", "--backends", "http://a:1", "--decode-weight", weight]))
+
+    assert config("0").cost.decode_weight == 0.0
+    assert config("0.25").cost.decode_weight == 0.25
+    for bad in ("-0.1", "nan", "inf", "1e9"):
+        with pytest.raises(ConfigError, match="--decode-weight: must be between 0 and 100"):
+            config(bad)
+
+
+def test_a_backend_learns_how_long_its_requests_decode() -> None:
+    load = BackendLoad(5000.0, 0.5)
+    a, b = load.start(0.1, now=0.0), load.start(0.1, now=0.0)
+    assert load.decoding == 0
+    load.first_byte(a, now=0.1)
+    assert load.decoding == 1 and load.in_flight == 2
+    load.finish(a, now=0.5)
+    assert load.decoding == 0 and load.in_flight == 1
+    assert load.decode_s.value == 0.0, "learnt from answers (accounting), not from flights"
+    load.decode_s.add(0.4)
+    load.decode_s.add(0.2)
+    assert abs(load.decode_s.value - 0.3) < 1e-9
+    load.finish(b, now=0.6)

@@ -3,8 +3,12 @@
 For each candidate: the prompt's keys in its namespace, what its device cache should hold
 (the router's history), what its node server holds and when it could be in the arena (one
 lookup per node server, all in parallel, bounded by ``lookup_timeout_s``), its queue and its
-measured prefill speed; :func:`kvtier.router.cost.estimate` turns them into a TTFT. The
-minimum wins; ties go to the backend with fewer requests in flight, then round robin.
+measured prefill speed; :func:`kvtier.router.cost.estimate` turns them into a TTFT. To that
+each request decoding on the candidate adds ``decode_weight`` of a request's measured decode
+time there (they share its steps): where any backend can load the prompt about as fast (a
+fast shared tier) the least crowded wins; where only one holds it, the prefill it saves
+outweighs a request or two more. The minimum wins; ties go to the backend with fewer requests
+in flight, then round robin.
 
 Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
 queue: its cache won), ``load`` (another backend would be, but its queue made this one
@@ -44,16 +48,24 @@ class CacheAware(Strategy):
             holding = Holding() if keys is None else self._holding(backend, keys, answers)
             pred = estimate(known.prompt_tokens, known.chunk_tokens, holding,
                             backend.load.speed.value, backend.load.wait_s(now))
-            rank = (round(pred.ttft_s, 6), backend.load.in_flight, (i - turn) % len(candidates))
+            rank = (round(pred.ttft_s + self._crowd_s(backend), 6), backend.load.in_flight,
+                    (i - turn) % len(candidates))
             scored.append((rank, backend, pred, keys))
         _, backend, pred, keys = min(scored, key=lambda s: s[0])
         reason = self._reason(backend, scored)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("cache: %s (%s) among %s", backend.name, reason, "; ".join(
                 f"{b.name} ttft {p.ttft_s:.4f} wait {p.wait_s:.4f} load {p.load_s:.4f} "
-                f"held {p.held_tokens} others {b.load.others} flights {b.load.in_flight} "
+                f"held {p.held_tokens} crowd {self._crowd_s(b):.4f} others {b.load.others} "
+                f"flights {b.load.in_flight} "
                 f"speed {b.load.speed.value:.0f}" for _, b, p, _ in scored))
         return Decision(backend, reason, pred, keys)
+
+    def _crowd_s(self, backend: Backend) -> float:
+        """What the requests decoding on ``backend`` cost a newcomer there: they share its
+        steps (``decode_weight`` of a request's measured decode time, each)."""
+        load = backend.load
+        return self.ctx.config.cost.decode_weight * load.decode_s.value * load.decoding
 
     @staticmethod
     def _reason(winner: Backend, scored: Sequence[tuple[tuple[float, int, int], Backend,
