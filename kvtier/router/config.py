@@ -34,8 +34,8 @@ class CostModel:
     lookup_timeout_s: float = 0.1
     """A node server that has not answered a lookup by then counts as holding nothing."""
     decode_weight: float = 0.5
-    """Seconds a request decoding on a backend adds to a newcomer's estimate there, as a
-    share of how long requests decode on it (0: decoding requests are not counted)."""
+    """Each request decoding on a backend adds this share of the backend's measured decode
+    time (streams' first to last byte) to a newcomer's score there (0: not counted)."""
 
 
 @dataclass(frozen=True)
