@@ -119,8 +119,8 @@ def test_two_writers_keep_the_tier_within_its_capacity(tmp_path: Path,
         # Each learns the other's newest chunks from its journal before the next round, so a
         # writer is blind only to what the other wrote in this round (a loaded machine may take
         # more than one journal interval to get there; that is no overshoot of the design).
-        assert wait_until(lambda: a.lookup(keys(2, f"b{i}-")) == ["shared"] * 2, 5.0)
-        assert wait_until(lambda: b.lookup(keys(2, f"a{i}-")) == ["shared"] * 2, 5.0)
+        for reader, newest in ((a, keys(2, f"b{i}-")), (b, keys(2, f"a{i}-"))):
+            assert wait_until(lambda r=reader, k=newest: r.lookup(k) == ["shared"] * 2, 5.0)
         # Within the budget, plus what the other wrote while its journal caught up.
         assert sum(listed(folder).values()) <= capacity + 4 * CHUNK_BYTES
     assert wait_until(lambda: sum(listed(folder).values()) <= capacity, 5.0)
