@@ -342,28 +342,19 @@ register_stack("arena", "kvtier serve: device + host-RAM arena", _start_arena)
 register_stack("arena+disk", "kvtier serve: device + arena + disk tier", _start_arena_disk)
 register_stack("arena+shared", "kvtier serve: device + arena + a shared fs tier",
                _start_arena_shared)
-register_stack("2x+roundrobin", "two instances (a core each, one shared fs tier) behind kvtier "
-               "route, round robin", _two_instances("kvtier", "roundrobin"))
-register_stack("2x+cache", "two instances (a core each, one shared fs tier) behind kvtier "
-               "route, cache-aware", _two_instances("kvtier", "cache"))
-register_stack("2x+vllm-router", "two instances (a core each, one shared fs tier) behind "
-               "vLLM's own router (cache_aware)", _two_instances("vllm-router", "cache_aware"))
-_NOSHARE = ("two instances (a core each), each with only its own arena (no shared tier: "
-            "routing is the only way to reuse) behind ")
-register_stack("2x-noshare+roundrobin", _NOSHARE + "kvtier route, round robin",
-               _two_instances("kvtier", "roundrobin", shared="none"))
-register_stack("2x-noshare+cache", _NOSHARE + "kvtier route, cache-aware",
-               _two_instances("kvtier", "cache", shared="none"))
-register_stack("2x-noshare+vllm-router", _NOSHARE + "vLLM's own router (cache_aware)",
-               _two_instances("vllm-router", "cache_aware", shared="none"))
-_S3 = ("two instances (a core each) sharing a slow tier, S3 on a SeaweedFS the stack starts "
-       "(same cores), behind ")
-register_stack("2x-s3+roundrobin", _S3 + "kvtier route, round robin",
-               _two_instances("kvtier", "roundrobin", shared="s3"))
-register_stack("2x-s3+cache", _S3 + "kvtier route, cache-aware",
-               _two_instances("kvtier", "cache", shared="s3"))
-register_stack("2x-s3+vllm-router", _S3 + "vLLM's own router (cache_aware)",
-               _two_instances("vllm-router", "cache_aware", shared="s3"))
+_SETUPS = (
+    ("2x", "fs", "two instances (a core each, one shared fs tier) behind "),
+    ("2x-noshare", "none", "two instances (a core each), each with only its own arena (no "
+     "shared tier: routing is the only way to reuse) behind "),
+    ("2x-s3", "s3", "two instances (a core each) sharing a slow tier, S3 on a SeaweedFS the "
+     "stack starts (same cores), behind "))
+_FRONTS = (("roundrobin", "kvtier", "roundrobin", "kvtier route, round robin"),
+           ("cache", "kvtier", "cache", "kvtier route, cache-aware"),
+           ("vllm-router", "vllm-router", "cache_aware", "vLLM's own router (cache_aware)"))
+for _prefix, _shared, _setup in _SETUPS:
+    for _suffix, _router, _policy, _front in _FRONTS:
+        register_stack(f"{_prefix}+{_suffix}", _setup + _front,
+                       _two_instances(_router, _policy, shared=_shared))
 register_stack("2x-plain+vllm-router", "two plain vLLM instances (a core each, no kvtier, no "
                "shared tier) behind vLLM's own router, round robin: the plain fleet",
                _plain_fleet(2, "vllm-router", "round_robin"))
