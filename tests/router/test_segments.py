@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tokenizers import AddedToken, Regex, pre_tokenizers
@@ -210,9 +210,6 @@ def test_threads_encoding_at_once_all_get_their_own_tokens() -> None:
             if encoder(text) != [ord(c) for c in text]:
                 failures.append(text)
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(work, range(6)))
     assert failures == [] and encoder.stats()["enabled"]
