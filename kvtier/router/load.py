@@ -9,9 +9,9 @@ is busy until ``busy_until``::
     on a first byte or end:   busy_until = now + sum of predicted over flights still prefilling
     wait = max(0, busy_until - now) + others * mean_prefill_s
 
-Requests decoding are not in that queue, but they share the backend's steps with a newcomer:
-the ``cache`` strategy adds ``decode_weight * decode_s`` for each (``decode_s``: how long a
-request decoded here, from streams' first to last byte).
+Every flight also decodes beside a newcomer (now, or once prefilled), sharing the backend's
+steps: the ``cache`` strategy adds ``decode_weight * decode_s`` for each (``decode_s``: how
+long a request decoded here, from streams' first to last byte).
 
 The second line corrects the queue whenever a prefill ends sooner or later than predicted. A
 flight is prefilling until its first streamed byte (a whole answer's first byte is its last).

@@ -4,8 +4,8 @@ For each candidate: the prompt's keys in its namespace, what its device cache sh
 (the router's history), what its node server holds and when it could be in the arena (one
 lookup per node server, all in parallel, bounded by ``lookup_timeout_s``), its queue and its
 measured prefill speed; :func:`kvtier.router.cost.estimate` turns them into a TTFT. To that
-each request decoding on the candidate adds ``decode_weight`` of a request's measured decode
-time there (they share its steps): where any backend can load the prompt about as fast (a
+each of the router's requests on the candidate adds ``decode_weight`` of a request's measured
+decode time there (it decodes, or will once prefilled, beside the newcomer, sharing steps): where any backend can load the prompt about as fast (a
 fast shared tier) the least crowded wins; where only one holds it, the prefill it saves
 outweighs a request or two more. The minimum wins; ties go to the backend with fewer requests
 in flight, then round robin.
@@ -62,10 +62,11 @@ class CacheAware(Strategy):
         return Decision(backend, reason, pred, keys)
 
     def _crowd_s(self, backend: Backend) -> float:
-        """What the requests decoding on ``backend`` cost a newcomer there: they share its
-        steps (``decode_weight`` of a request's measured decode time, each)."""
+        """What the router's requests on ``backend`` cost a newcomer there beyond its prefill
+        queue: each decodes (or will, once prefilled) beside it, sharing the backend's steps
+        (``decode_weight`` of a request's measured decode time, each)."""
         load = backend.load
-        return self.ctx.config.cost.decode_weight * load.decode_s.value * load.decoding
+        return self.ctx.config.cost.decode_weight * load.decode_s.value * load.in_flight
 
     @staticmethod
     def _reason(winner: Backend, scored: Sequence[tuple[tuple[float, int, int], Backend,
