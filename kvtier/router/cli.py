@@ -72,8 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lookup-timeout-s", type=float, default=0.1,
                    help="cache strategy: a node server slower than this holds nothing")
     p.add_argument("--decode-weight", type=float, default=0.5,
-                   help="cache strategy: each request decoding on a backend adds this share "
-                   "of a request's measured decode time to a newcomer's estimate there "
+                   help="cache strategy: each of the router's requests on a backend adds this "
+                   "share of a request's measured decode time there to a newcomer's score "
                    "(default: %(default)s; 0: not counted)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")

@@ -34,8 +34,8 @@ class CostModel:
     lookup_timeout_s: float = 0.1
     """A node server that has not answered a lookup by then counts as holding nothing."""
     decode_weight: float = 0.5
-    """Each request decoding on a backend adds this share of the backend's measured decode
-    time (streams' first to last byte) to a newcomer's score there (0: not counted)."""
+    """Each of the router's requests on a backend adds this share of the backend's measured
+    decode time (streams' first to last byte) to a newcomer's score there (0: not counted)."""
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,6 @@ class BackendLoad:
     def in_flight(self) -> int:
         return len(self._flights)
 
-    @property
-    def decoding(self) -> int:
-        """Flights past their first byte: decoding, no longer in the prefill queue."""
-        return sum(1 for f in self._flights.values() if f.first_byte is not None)
-
     def wait_s(self, now: float) -> float:
         return max(0.0, self.busy_until - now) + self.others * self.mean_prefill_s.value
 
