@@ -5,10 +5,10 @@ For each candidate: the prompt's keys in its namespace, what its device cache sh
 lookup per node server, all in parallel, bounded by ``lookup_timeout_s``), its queue and its
 measured prefill speed; :func:`kvtier.router.cost.estimate` turns them into a TTFT. To that
 each of the router's requests on the candidate adds ``decode_weight`` of a request's measured
-decode time there (it decodes, or will once prefilled, beside the newcomer, sharing steps): where any backend can load the prompt about as fast (a
-fast shared tier) the least crowded wins; where only one holds it, the prefill it saves
-outweighs a request or two more. The minimum wins; ties go to the backend with fewer requests
-in flight, then round robin.
+decode time there (it decodes, or will once prefilled, beside the newcomer, sharing steps):
+where any backend can load the prompt about as fast (a fast shared tier) the least crowded
+wins; where only one holds it, the prefill it saves outweighs a request or two more. The
+minimum wins; ties go to the backend with fewer requests in flight, then round robin.
 
 Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
 queue: its cache won), ``load`` (another backend would be, but its queue made this one
