@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -43,6 +44,7 @@ from typing import Any
 
 import psutil
 
+from kvtier.bench.textgen import prose
 from kvtier.errors import ServiceStartError
 from kvtier.httpjson import answers_200
 from kvtier.ports import free_ports
@@ -165,12 +167,10 @@ class Chats:
         self.turns = turns
         self.seed = seed
         self._sent = 0
+        self._open: dict[int, list[dict[str, str]]] = {}
+        """Each slot's chat so far: a turn extends it instead of writing it all again."""
 
     def next_messages(self) -> list[dict[str, str]]:
-        import random
-
-        from kvtier.bench.textgen import prose
-
         i, self._sent = self._sent, self._sent + 1
         slot, turn = i % CHATS, (i // CHATS) % self.turns
         chat = i // (CHATS * self.turns) * CHATS + slot
@@ -178,12 +178,13 @@ class Chats:
         def text(what: str, words: int) -> str:
             return prose(random.Random(f"{self.seed}:{chat}:{what}"), words)
 
-        opening = text("opening", max(1, self.tokens * 3 // 4))[: 4 * self.tokens]
-        messages = [{"role": "user", "content": opening}]
-        for t in range(turn):
-            messages += [{"role": "assistant", "content": text(f"answer {t}", 24)},
-                         {"role": "user", "content": text(f"question {t}", 36)}]
-        return messages
+        if turn == 0:
+            opening = text("opening", max(1, self.tokens * 3 // 4))[: 4 * self.tokens]
+            self._open[slot] = [{"role": "user", "content": opening}]
+        else:
+            self._open[slot] += [{"role": "assistant", "content": text(f"answer {turn - 1}", 24)},
+                                 {"role": "user", "content": text(f"question {turn - 1}", 36)}]
+        return list(self._open[slot])
 
 
 async def _measure(direct: str, routed: str, requests: int, concurrency: int,
