@@ -71,10 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "device cache")
     p.add_argument("--lookup-timeout-s", type=float, default=0.1,
                    help="cache strategy: a node server slower than this holds nothing")
-    p.add_argument("--decode-weight", type=float, default=0.5,
+    p.add_argument("--decode-weight", type=float, default=0.0,
                    help="cache strategy: each of the router's requests on a backend adds this "
                    "share of a request's measured decode time there to a newcomer's score "
-                   "(default: %(default)s; 0: not counted)")
+                   "(default: %(default)s, not counted: measured, keeping conversations on "
+                   "their instance served faster, docs/router.md)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
     p.add_argument("--parts-file", metavar="FILE",

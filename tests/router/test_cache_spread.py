@@ -109,7 +109,8 @@ def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
     assert shared_hits and shared_hits >= 1, "the other instance loaded from the shared tier"
 
 
-async def staggered(tmp_path: Path, shared: bool, speed: float) -> dict[str, int]:
+async def staggered(tmp_path: Path, shared: bool, speed: float,
+                    weight: float | None = None) -> dict[str, int]:
     """Streams sharing PREFIX sent 150 ms apart, each decoding ~0.4 s: when one is routed
     the earlier ones are decoding (no longer in any prefill queue)."""
     nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
@@ -121,7 +122,8 @@ async def staggered(tmp_path: Path, shared: bool, speed: float) -> dict[str, int
             for b, e in zip(backends, engines, strict=True):
                 b.engine, b.tokens, b.token_s = e, 9, 0.05
             servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
-            cost = CostModel(lookup_timeout_s=2.0)
+            cost = CostModel(lookup_timeout_s=2.0) if weight is None else CostModel(
+                lookup_timeout_s=2.0, decode_weight=weight)
             async with running_router(router_config(
                     backends, strategy="cache", kvtier_servers=servers, cost=cost)) as router, \
                     aiohttp.ClientSession() as s:
@@ -154,11 +156,15 @@ async def staggered(tmp_path: Path, shared: bool, speed: float) -> dict[str, int
 
 def test_requests_decoding_count_against_a_backend_when_others_can_load_fast(
         tmp_path: Path) -> None:
-    """With a shared tier the backend holding the prefix in its arena saves only a fast
-    load: the requests decoding there make the other sooner. Without one, recomputing
-    the prefix elsewhere (2.2 s here) costs more than sharing steps with a few streams."""
-    spread = asyncio.run(staggered(tmp_path / "shared", shared=True, speed=300))
-    kept = asyncio.run(staggered(tmp_path / "local", shared=False, speed=300))
-    print(f"\nshared tier: {spread}; node-local tiers: {kept}")
+    """With ``--decode-weight 0.5`` and a shared tier, the backend holding the prefix in its
+    arena saves only a fast load: the requests decoding there make the other sooner. Without
+    one, recomputing the prefix elsewhere (2.2 s here) costs more than sharing steps with a
+    few streams. By default (weight 0) the holder keeps them: only prefill queues count."""
+    spread = asyncio.run(staggered(tmp_path / "shared", shared=True, speed=300, weight=0.5))
+    kept = asyncio.run(staggered(tmp_path / "local", shared=False, speed=300, weight=0.5))
+    default = asyncio.run(staggered(tmp_path / "default", shared=True, speed=300))
+    print(f"\nweight 0.5, shared tier: {spread}; node-local tiers: {kept}; "
+          f"default, shared tier: {default}")
     assert spread["other"] >= 2, spread
     assert kept["warm"] >= 5, kept
+    assert default["warm"] >= 5, default

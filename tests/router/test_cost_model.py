@@ -107,6 +107,8 @@ def test_the_decode_weight_is_a_finite_share() -> None:
             ["route", "--backends", "http://a:1", "--decode-weight", weight]))
 
     assert config("0").cost.decode_weight == 0.0
+    assert RouterConfig.from_args(parser.parse_args(
+        ["route", "--backends", "http://a:1"])).cost.decode_weight == 0.0, "off by default"
     assert config("0.25").cost.decode_weight == 0.25
     for bad in ("-0.1", "nan", "inf", "1e9"):
         with pytest.raises(ConfigError, match="--decode-weight: must be between 0 and 100"):

@@ -6,8 +6,10 @@ lookup per node server, all in parallel, bounded by ``lookup_timeout_s``), its q
 measured prefill speed; :func:`kvtier.router.cost.estimate` turns them into a TTFT. To that
 each of the router's requests on the candidate adds ``decode_weight`` of a request's measured
 decode time there (it decodes, or will once prefilled, beside the newcomer, sharing steps):
-where any backend can load the prompt about as fast (a fast shared tier) the least crowded
-wins; where only one holds it, the prefill it saves outweighs a request or two more. The
+the higher it is, the more the least crowded backend wins over the one holding the prompt.
+Its default, 0, counts only the prefill queue: on a fleet with a shared tier a weight of 0.5
+spread conversations over both instances, which then each held copies of all of them, and
+served slower with a longer tail than keeping each on its instance (docs/router.md). The
 minimum wins; ties go to the backend with fewer requests in flight, then round robin.
 
 Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
