@@ -74,8 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-weight", type=float, default=0.0,
                    help="cache strategy: each of the router's requests on a backend adds this "
                    "share of a request's measured decode time there to a newcomer's score "
-                   "(default: %(default)s, not counted: measured, keeping conversations on "
-                   "their instance served faster, docs/router.md)")
+                   "(default: %(default)s, not counted: kept on their instance, conversations "
+                   "got their first tokens sooner; docs/router.md)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
     p.add_argument("--parts-file", metavar="FILE",

@@ -8,8 +8,9 @@ each of the router's requests on the candidate adds ``decode_weight`` of a reque
 decode time there (it decodes, or will once prefilled, beside the newcomer, sharing steps):
 the higher it is, the more the least crowded backend wins over the one holding the prompt.
 Its default, 0, counts only the prefill queue: on a fleet with a shared tier a weight of 0.5
-spread conversations over both instances, which then each held copies of all of them, and
-served slower with a longer tail than keeping each on its instance (docs/router.md). The
+moved half the conversations off the instance holding them, each move a load from the shared
+tier before its prefill, and their first tokens came later than when each stayed put
+(docs/router.md). The
 minimum wins; ties go to the backend with fewer requests in flight, then round robin.
 
 Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
