@@ -30,7 +30,7 @@ import bisect
 import heapq
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 
 def load(path: str) -> list[dict]:
@@ -59,15 +59,20 @@ def conversations(reqs: Sequence[dict]) -> tuple[list[int | None], list[int]]:
     return parent, shared
 
 
+def prefix_hit(blocks: Sequence[int], held: Container[int]) -> int:
+    """How many of a request's leading blocks the tier holds (a lookup stops at a miss)."""
+    k = 0
+    while k < len(blocks) and blocks[k] in held:
+        k += 1
+    return k
+
+
 def lru(reqs: Sequence[dict], capacity: int, store: Callable[[int], bool]) -> float:
     held: OrderedDict[int, None] = OrderedDict()
     hits = total = 0
     for i, r in enumerate(reqs):
         h = r["hash_ids"]
-        k = 0
-        while k < len(h) and h[k] in held:
-            k += 1
-        hits += k
+        hits += prefix_hit(h, held)
         total += len(h)
         if store(i):
             for b in reversed(h):
@@ -87,10 +92,7 @@ def scored(reqs: Sequence[dict], capacity: int, bonus: Sequence[float]) -> float
     hits = total = step = 0
     for i, r in enumerate(reqs):
         h = r["hash_ids"]
-        k = 0
-        while k < len(h) and h[k] in rank:
-            k += 1
-        hits += k
+        hits += prefix_hit(h, rank)
         total += len(h)
         for b in reversed(h):
             step += 1
