@@ -50,8 +50,17 @@ def check_everything_answers(tier: RedisTier, server: RedisServer,
     assert kept and missed, "Redis kept some and evicted others"
     r = plain(server)
     ns = NAMESPACE.hex()
-    stale = [c.key for c in tier.scan() if not r.exists(tier.layout.chunk(ns, c.key.hex()))]
-    assert tier.reconcile() >= len(stale)
+
+    def stale() -> list[ChunkKey]:
+        return [c.key for c in tier.scan() if not r.exists(tier.layout.chunk(ns, c.key.hex()))]
+
+    # a batch whose check conflicts (WATCH) is kept for the next pass, by design, and under
+    # allkeys-lru Redis may evict index entries' keys itself meanwhile: a few passes leave no
+    # entry naming a chunk that is gone
+    dropped = list[int]()
+    while len(dropped) < 5 and (not dropped or stale()):
+        dropped.append(tier.reconcile())
+    assert not stale(), dropped
     listed = {c.key for c in tier.scan()}
     assert listed <= set(kept), "after reconcile the index names only chunks that are there"
     # docs/shared.md: under allkeys-* an evicted note reads None while list_notes may still
