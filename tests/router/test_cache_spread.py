@@ -110,7 +110,7 @@ def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
 
 
 async def staggered(tmp_path: Path, shared: bool, speed: float,
-                    weight: float | None = None) -> dict[str, int]:
+                    weight: float = CostModel.decode_weight) -> dict[str, int]:
     """Streams sharing PREFIX sent 150 ms apart, each decoding ~0.4 s: when one is routed
     the earlier ones are decoding (no longer in any prefill queue)."""
     nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
@@ -122,8 +122,7 @@ async def staggered(tmp_path: Path, shared: bool, speed: float,
             for b, e in zip(backends, engines, strict=True):
                 b.engine, b.tokens, b.token_s = e, 9, 0.05
             servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
-            cost = CostModel(lookup_timeout_s=2.0) if weight is None else CostModel(
-                lookup_timeout_s=2.0, decode_weight=weight)
+            cost = CostModel(lookup_timeout_s=2.0, decode_weight=weight)
             async with running_router(router_config(
                     backends, strategy="cache", kvtier_servers=servers, cost=cost)) as router, \
                     aiohttp.ClientSession() as s:

@@ -57,8 +57,8 @@ def check_everything_answers(tier: RedisTier, server: RedisServer,
     # a batch whose check conflicts (WATCH) is kept for the next pass, by design, and under
     # allkeys-lru Redis may evict index entries' keys itself meanwhile: a few passes leave no
     # entry naming a chunk that is gone
-    dropped = list[int]()
-    while len(dropped) < 5 and (not dropped or stale()):
+    dropped = [tier.reconcile()]
+    while stale() and len(dropped) < 5:
         dropped.append(tier.reconcile())
     assert not stale(), dropped
     listed = {c.key for c in tier.scan()}

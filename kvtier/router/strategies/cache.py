@@ -10,8 +10,8 @@ the higher it is, the more the least crowded backend wins over the one holding t
 Its default, 0, counts only the prefill queue: on a fleet with a shared tier a weight of 0.5
 moved half the conversations off the instance holding them, each move a load from the shared
 tier before its prefill, and their first tokens came later than when each stayed put
-(docs/router.md). The
-minimum wins; ties go to the backend with fewer requests in flight, then round robin.
+(docs/router.md). The minimum wins; ties go to the backend with fewer requests in flight,
+then round robin.
 
 Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
 queue: its cache won), ``load`` (another backend would be, but its queue made this one
