@@ -309,3 +309,38 @@ def stop_all(children: Sequence[Child], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     for child in children:
         child.wait_stopped(deadline)
+
+
+class StopRequest:
+    """SIGINT / SIGTERM asking a supervising loop to stop, safe to receive at any moment.
+
+    The handler only sets a flag: a handler that takes a lock (``threading.Event.set``) can
+    deadlock when the signal lands while the main thread holds that lock, e.g. inside
+    ``Event.wait`` reacquiring it (seen: ``kvtier serve`` stuck for good after two SIGTERMs).
+    Use as a context manager; the previous handlers come back on exit."""
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self.signals = tuple(signals)
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, _signum: int, _frame: object) -> None:
+        self.requested = True
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, less once a stop is requested; whether one was."""
+        deadline = time.monotonic() + seconds
+        while not self.requested:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, POLL_S))
+        return self.requested
+
+    def __enter__(self) -> StopRequest:
+        self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]

@@ -277,8 +277,9 @@ def _two_instances(router: str, policy: str, shared: str = "fs"
         raise ValueError(f"shared: expected one of {SHARED_KINDS}, got {shared!r}")
 
     def start(env: StackEnv) -> StartedConfig:
-        # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102
-        port = ports.free_base((0, 1, 2, 101, 102))
+        # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102,
+        # kv_aware's relays of their KV events on P+201, P+202
+        port = ports.free_base((0, 1, 2, 101, 102, 201, 202))
         extra: list[str] = []
         if router == "vllm-router":  # the benchmark installs its peer; kvtier serve never does
             from kvtier.bench.peers import ensure_vllm_router
@@ -350,7 +351,9 @@ _SETUPS = (
      "stack starts (same cores), behind "))
 _FRONTS = (("roundrobin", "kvtier", "roundrobin", "kvtier route, round robin"),
            ("cache", "kvtier", "cache", "kvtier route, cache-aware"),
-           ("vllm-router", "vllm-router", "cache_aware", "vLLM's own router (cache_aware)"))
+           ("vllm-router", "vllm-router", "cache_aware", "vLLM's own router (cache_aware)"),
+           ("vllm-router-kv", "vllm-router", "kv_aware", "vLLM's own router (kv_aware, on the "
+            "instances' KV events, relayed by the stack)"))
 for _prefix, _shared, _setup in _SETUPS:
     for _suffix, _router, _policy, _front in _FRONTS:
         register_stack(f"{_prefix}+{_suffix}", _setup + _front,

@@ -8,7 +8,8 @@
 ``vllm-router``  vLLM's Rust router, found (never installed) by :mod:`kvtier.launch.
                vllm_router`: ``vllm-router --worker-urls URL URL --policy P --port P``
                (default policy ``round_robin``), health-checking its workers every 2 s
-               (:data:`VLLM_ROUTER_HEALTH`)
+               (:data:`VLLM_ROUTER_HEALTH`); ``kv_aware`` adds ``--kv-event-source URL=
+               tcp://127.0.0.1:PORT`` per instance (:class:`KvEventSources`)
 ``none``       no router: clients call the instances directly
 =============  ==============================================================================
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
@@ -33,6 +35,28 @@ VLLM_ROUTER_HEALTH = ("--health-check-interval-secs", "2", "--health-check-timeo
 """A worker out on its first failed health check and back on its first good one, every 2 s
 (vllm-router's defaults: every 60 s, 3 failures to take one out): the stack restarts dead
 instances, and the router must route around them meanwhile."""
+
+
+@dataclass(frozen=True)
+class KvEventSources:
+    """Where vllm-router's ``kv_aware`` reads each instance's KV events
+    (:mod:`kvtier.launch.kv_events`), and what it needs to read them: the engines' block size
+    (the events' block hashes cover that many tokens) and the served model's name."""
+
+    endpoints: tuple[str, ...]
+    """``tcp://127.0.0.1:PORT`` per instance, in the order of the backends."""
+    block_size: int
+    model: str
+
+    def argv(self, backends: Sequence[str]) -> list[str]:
+        if len(backends) != len(self.endpoints):
+            raise ValueError(f"{len(self.endpoints)} KV-event sources for {len(backends)} "
+                             "backends")
+        out: list[str] = []
+        for url, endpoint in zip(backends, self.endpoints, strict=True):
+            out += ["--kv-event-source", f"{url}={endpoint}"]
+        return [*out, "--kv-event-block-size", str(self.block_size),
+                "--kv-event-model", self.model]
 
 
 def check_router(kind: str, policy: str) -> None:
@@ -53,13 +77,15 @@ def check_router(kind: str, policy: str) -> None:
 def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence[str],
                 node_urls: Sequence[str], vllm_router: Path | None = None, *,
                 node_token_file: str | None = None,
-                parts_file: Path | None = None) -> list[str] | None:
+                parts_file: Path | None = None,
+                kv_events: KvEventSources | None = None) -> list[str] | None:
     """The router's command line (None for ``none``). ``vllm_router``: the executable for
     ``vllm-router`` (ignored by the others; None: :func:`find_vllm_router`'s, which fails
     when there is none). ``kvtier route`` reads the node token from ``$KVTIER_NODE_TOKEN``
     (inherited) unless ``node_token_file`` is given; vllm-router never asks node servers.
     ``parts_file``: the stack.json whose parts' states ``kvtier route`` shows in its
-    /metrics."""
+    /metrics. ``kv_events``: the instances' KV-event streams, for vllm-router's
+    ``kv_aware``."""
     if kind == "none":
         return None
     if kind == "kvtier":
@@ -70,5 +96,10 @@ def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence
             argv += ["--parts-file", str(parts_file)]
         return argv + (["--node-token-file", node_token_file] if node_token_file else [])
     binary = vllm_router or find_vllm_router()
-    return [str(binary), "--host", host, "--port", str(port), "--worker-urls", *backends,
+    argv = [str(binary), "--host", host, "--port", str(port), "--worker-urls", *backends,
             "--policy", policy, "--log-level", "warning", *VLLM_ROUTER_HEALTH]
+    if policy == "kv_aware":
+        if kv_events is None:
+            raise ConfigError("vllm-router's kv_aware needs the instances' KV-event sources")
+        argv += kv_events.argv(backends)
+    return argv

@@ -17,7 +17,8 @@ backoff, until it fails too often and is given up; the rest keeps serving. One C
 SIGTERM) stops the router, then the instances (each by its process id, then whatever is left
 in its process groups), then any local service started for ``--shared-local``.
 ``RUN_DIR/stack.json`` lists every URL and every part's state, for ``kvtier verify --stack``
-and the router's ``/metrics``.
+and the router's ``/metrics``. With vllm-router's ``kv_aware`` the instances publish KV events,
+relayed on 127.0.0.1 by a thread of this process (:mod:`kvtier.launch.kv_events`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import sys
-import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -37,13 +36,17 @@ import yaml
 
 from kvtier.config import ServerConfig, runtime_dir
 from kvtier.errors import KvtierError
-from kvtier.launch.front import router_argv
+from kvtier.launch.front import KvEventSources, router_argv
+from kvtier.launch.kv_events import KvEventRelay, instance_events_config
 from kvtier.launch.parts import ProcessPart, ServicePart, stop_together
-from kvtier.launch.plan import default_sizes, instance_binding, instance_cpu
+from kvtier.launch.plan import default_sizes, instance_binding, instance_cpu, is_cpu_build
+from kvtier.launch.serve import DEMO_NAME
+from kvtier.launch.sizing import flag_value
 from kvtier.launch.stack_options import StackOptions
 from kvtier.launch.summary import say, tiers_line
 from kvtier.launch.supervise import PartState, Supervised, Supervisor
 from kvtier.ports import check_plan, ephemeral_range
+from kvtier.processes import StopRequest
 
 GAVE_UP_STATUS = 3
 """Exit status of a stack stopped (Ctrl-C) after it gave up on a part; its last line names
@@ -68,12 +71,13 @@ def run_stack(args: argparse.Namespace) -> int:
 class Stack:
     def __init__(self, options: StackOptions) -> None:
         self.o = options
-        self.stop = threading.Event()
+        self.stop = StopRequest()
         self.instances: list[ProcessPart] = []
         self.router: ProcessPart | None = None
         self.shared: dict[str, Any] | None = None
         self.env: dict[str, str] = {}
         self.services = ExitStack()
+        self.relay: KvEventRelay | None = None
         self.supervisor = Supervisor(options.restart, say, self._changed)
         self.announced = False
 
@@ -91,6 +95,22 @@ class Stack:
             return None
         host = "127.0.0.1" if self.o.host in ("0.0.0.0", "::", "") else self.o.host
         return f"http://{host}:{self.o.port}"
+
+    def kv_event_path(self, i: int) -> str:
+        """The ipc path instance i publishes its KV events on (kv_aware only)."""
+        return os.path.join(runtime_dir(), f"stack-{os.getpid()}-{i}.kv-events")
+
+    def kv_event_sources(self) -> KvEventSources:
+        """What vllm-router's kv_aware is told: the relayed streams, the engines' block size
+        (``--block-size``, else vLLM's default: 128 on the CPU build, 16 elsewhere) and the
+        served model's name (as each instance's ``kvtier serve`` names it: ``--served-model-name``,
+        else ``--model``, else the demo model's name)."""
+        o = self.o
+        block = flag_value(o.vllm_args, "--block-size") or (128 if is_cpu_build() else 16)
+        model = flag_value(o.vllm_args, "--served-model-name") or o.model or DEMO_NAME
+        return KvEventSources(
+            tuple(f"tcp://127.0.0.1:{o.kv_event_port(i)}" for i in range(o.instances)),
+            int(block), model)
 
     def server_config(self, i: int) -> dict[str, Any]:
         """Instance i's node server; its token comes from ``--node-token-file``, else from
@@ -111,6 +131,9 @@ class Stack:
                 "--chunk-tokens", str(o.chunk_tokens), "--priority", str(o.priority)]
         if o.model:
             argv += ["--model", o.model]
+        if o.kv_events:
+            argv += ["--kv-events-config",
+                     instance_events_config(f"ipc://{self.kv_event_path(i)}")]
         return [*argv, "--port", str(o.instance_port(i)), "--host", "127.0.0.1",
                 *o.vllm_args]
 
@@ -127,18 +150,15 @@ class Stack:
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, lambda *_: self.stop.set())
-                    for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            self._start()
-            return self._supervise()
-        except KvtierError as exc:
-            say(f"kvtier serve: {exc}")
-            return 2
-        finally:
-            self._teardown()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with self.stop:
+            try:
+                self._start()
+                return self._supervise()
+            except KvtierError as exc:
+                say(f"kvtier serve: {exc}")
+                return 2
+            finally:
+                self._teardown()
 
     def _start(self) -> None:
         o = self.o
@@ -149,6 +169,14 @@ class Stack:
             config = self.server_config(i)
             ServerConfig.from_dict(config)  # fail here, not in a child
             (o.run_dir / f"instance-{i}.yaml").write_text(yaml.safe_dump(config))
+        if o.kv_events:  # listening before the instances publish, or a taken port fails now
+            self.relay = KvEventRelay([f"ipc://{self.kv_event_path(i)}"
+                                       for i in range(o.instances)],
+                                      [o.kv_event_port(i) for i in range(o.instances)])
+            try:
+                self.relay.start()
+            except OSError as exc:
+                raise KvtierError(str(exc)) from exc
         say(f"kvtier serve: starting {o.instances} instance(s); logs in {o.run_dir}")
         for i in range(o.instances):
             (o.run_dir / f"instance-{i}.log").unlink(missing_ok=True)
@@ -183,12 +211,12 @@ class Stack:
         return self.o.shared_tier(spec)
 
     def _supervise(self) -> int:
-        while not self.stop.is_set():
+        while not self.stop.requested:
             self.supervisor.tick()
             rc = self._progress()
             if rc is not None:
                 return rc
-            self.stop.wait(0.5)
+            self.stop.sleep(0.5)
         return GAVE_UP_STATUS if self.supervisor.in_state(PartState.GIVEN_UP) else 0
 
     def _progress(self) -> int | None:
@@ -221,7 +249,8 @@ class Stack:
                            [self.url(i) for i in range(o.instances)],
                            [self.node_url(i) for i in range(o.instances)],
                            o.vllm_router, node_token_file=o.node_token_file,
-                           parts_file=state)
+                           parts_file=state,
+                           kv_events=self.kv_event_sources() if o.kv_events else None)
         if argv is None:
             return
         self._write_state()  # the router reads the parts' states from it
@@ -245,6 +274,8 @@ class Stack:
         if self.instances:
             say(f"kvtier serve: stopping {len(self.instances)} instance(s)")
             stop_together(self.instances, 90)
+        if self.relay is not None:
+            self.relay.stop()
         self.services.close()
         self.supervisor.close()
         given_up = self.supervisor.in_state(PartState.GIVEN_UP)
@@ -264,6 +295,7 @@ class Stack:
             "instances": [{"url": self.url(i), "node": self.node_url(i), "pid": p.pid,
                            "log": str(p.log_path)} for i, p in enumerate(self.instances)],
             "shared": self.shared,
+            "kv_events": list(self.kv_event_sources().endpoints) if self.o.kv_events else None,
             "node_token": self.o.node_token_source(),  # where from, never the token
             "restart": {"mode": "on-failure" if policy.restart_on_failure else "never",
                         "limit": policy.limit, "window_s": policy.window_s},
@@ -294,6 +326,9 @@ class Stack:
             cpu = instance_cpu(i)
             core = f"  core {cpu}" if cpu is not None else ""
             say(f"  instance {i}  {self.url(i)}/v1  node server {self.node_url(i)}{core}")
+        if o.kv_events:
+            say("  KV events for kv_aware, relayed at "
+                + ", ".join(self.kv_event_sources().endpoints))
         tiers = ServerConfig.from_dict({**self.server_config(0), "metrics_port": None})
         say(f"  tiers of each instance: {tiers_line(tiers)}"
             + ("" if self.shared else " (no shared tier)"))

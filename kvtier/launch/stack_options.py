@@ -1,9 +1,11 @@
 """``kvtier serve --instances N``'s options, parsed once into :class:`StackOptions`.
 
 Ports follow ``--port P`` (default 8000): the router on P, instance i on P+1+i, instance i's
-node server (HTTP API, /metrics) on P+101+i. So N is at most 100 (instance 100 would take
-node server 0's port) and P+100+N at most 65535; :meth:`StackOptions.instance_ports` names them
-for the check that they are free before anything starts.
+node server (HTTP API, /metrics) on P+101+i, and with vllm-router's ``kv_aware`` the relay of
+instance i's KV events on P+201+i (:mod:`kvtier.launch.kv_events`). So N is at most 100
+(instance 100 would take node server 0's port) and the highest of them at most 65535;
+:meth:`StackOptions.instance_ports` names them for the check that they are free before anything
+starts.
 
 With a node token (``$KVTIER_NODE_TOKEN``, or ``--node-token-file``) every node server asks
 for it, and the router and ``kvtier verify`` are given it.
@@ -100,6 +102,12 @@ class StackOptions:
     """The vllm-router executable (found before anything starts); None for other routers."""
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
+    @property
+    def kv_events(self) -> bool:
+        """Whether the instances publish KV events for the router: vllm-router's
+        ``kv_aware`` routes on nothing else."""
+        return self.router == "vllm-router" and self.policy == "kv_aware"
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, default_arena: int) -> StackOptions:
         n = int(args.instances)
@@ -131,11 +139,17 @@ class StackOptions:
             run_dir=Path(args.run_dir).expanduser() if args.run_dir else _default_run_dir(),
             verify=bool(args.verify), node_token_file=_token_file(args),
             vllm_router=vllm_router, restart=_restart_policy(args))
-        top = options.node_port(n - 1)
+        top, what = options.node_port(n - 1), "node server"
+        if options.kv_events:
+            top, what = options.kv_event_port(n - 1), "KV-event relay"
+            if flag_value(vllm_args, "--kv-events-config") is not None:
+                raise ConfigError("--kv-events-config: kvtier serve sets each instance's KV "
+                                  "events for --router-policy kv_aware (an ipc path per "
+                                  "instance, relayed on 127.0.0.1); leave it out")
         if top > MAX_PORT:
-            raise ConfigError(f"--port {port}: instance {n - 1}'s node server would listen on "
+            raise ConfigError(f"--port {port}: instance {n - 1}'s {what} would listen on "
                               f"{top}, above {MAX_PORT}; choose a --port of at most "
-                              f"{MAX_PORT - 100 - n}")
+                              f"{MAX_PORT - (top - port)}")
         if options.shared_local is None:
             options.shared_tier()  # a bad --shared fails before anything starts
         else:
@@ -165,13 +179,18 @@ class StackOptions:
     def node_port(self, i: int) -> int:
         return self.port + 101 + i
 
+    def kv_event_port(self, i: int) -> int:
+        return self.port + 201 + i
+
     def instance_ports(self) -> dict[str, int]:
-        """The ports the instances and their node servers listen on (127.0.0.1), by what
-        listens there."""
+        """The ports the instances, their node servers and (with ``kv_aware``) the relays of
+        their KV events listen on (127.0.0.1), by what listens there."""
         out = {}
         for i in range(self.instances):
             out[f"instance {i}"] = self.instance_port(i)
             out[f"instance {i}'s node server"] = self.node_port(i)
+            if self.kv_events:
+                out[f"instance {i}'s KV-event relay"] = self.kv_event_port(i)
         return out
 
 

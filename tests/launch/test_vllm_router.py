@@ -1,7 +1,9 @@
 """``--router vllm-router`` finds vllm-router and never installs it: an explicit path
 (``--vllm-router``, ``$KVTIER_VLLM_ROUTER``), then the peers virtualenv that ``kvtier bench
 peers --install vllm-router`` fills, then PATH; none, or a bad explicit one, fails before
-anything starts and says how to install it. Real files and a real ``kvtier serve`` process."""
+anything starts and says how to install it. With ``kv_aware`` the stack wires each instance's
+KV events to it through the relay (:mod:`kvtier.launch.kv_events`). Real files and a real
+``kvtier serve`` process."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from launch_helpers import options
 
 from kvtier.cli import build_parser
 from kvtier.errors import ConfigError
-from kvtier.launch.front import router_argv
+from kvtier.launch.front import KvEventSources, router_argv
+from kvtier.launch.stack import Stack
 from kvtier.launch.vllm_router import ENV, INSTALL, find_vllm_router, vllm_router_binary
 
 
@@ -105,3 +108,40 @@ def test_the_install_command_is_registered() -> None:
     assert args.func is peers.run and args.install == "vllm-router"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "peers", "--install", "nope"])
+
+
+def test_kv_aware_gets_each_instances_relayed_events(tmp_path: Path, nowhere: Path) -> None:
+    mine = executable(tmp_path / "vllm-router")
+    o = options("--router", "vllm-router", "--router-policy", "kv_aware", "--vllm-router",
+                str(mine), "--port", "9000", "--served-model-name", "chat", "--block-size",
+                "16")
+    assert o.kv_events and not options("--router", "vllm-router", "--vllm-router",
+                                       str(mine)).kv_events
+    assert o.instance_ports()["instance 1's KV-event relay"] == 9202
+    stack = Stack(o)
+    sources = stack.kv_event_sources()
+    assert sources == KvEventSources(("tcp://127.0.0.1:9201", "tcp://127.0.0.1:9202"), 16,
+                                     "chat")
+    argv = router_argv(o.router, o.policy, o.host, o.port,
+                       [stack.url(0), stack.url(1)], [], o.vllm_router, kv_events=sources)
+    assert argv is not None
+    pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--kv-event-source"]
+    assert pairs == ["http://127.0.0.1:9001=tcp://127.0.0.1:9201",
+                     "http://127.0.0.1:9002=tcp://127.0.0.1:9202"]
+    assert argv[argv.index("--kv-event-block-size") + 1] == "16"
+    assert argv[argv.index("--kv-event-model") + 1] == "chat"
+    events = stack.instance_argv(1)[stack.instance_argv(1).index("--kv-events-config") + 1]
+    assert f"ipc://{stack.kv_event_path(1)}" in events
+    assert "--kv-events-config" not in Stack(options()).instance_argv(0)
+    with pytest.raises(ConfigError, match="kv_aware needs the instances' KV-event sources"):
+        router_argv(o.router, o.policy, o.host, o.port, ["http://a:1"], [], o.vllm_router)
+
+
+def test_kv_aware_refuses_what_would_break_its_wiring(tmp_path: Path, nowhere: Path) -> None:
+    mine = executable(tmp_path / "vllm-router")
+    kv = ("--router", "vllm-router", "--router-policy", "kv_aware", "--vllm-router", str(mine))
+    with pytest.raises(ConfigError, match="--kv-events-config: kvtier serve sets"):
+        options(*kv, "--kv-events-config", '{"enable_kv_cache_events": true}')
+    with pytest.raises(ConfigError, match="KV-event relay would listen on 65536"):
+        options(*kv, "--port", "65334")
+    options("--router", "vllm-router", "--vllm-router", str(mine), "--port", "65334")
