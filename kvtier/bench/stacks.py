@@ -277,9 +277,9 @@ def _two_instances(router: str, policy: str, shared: str = "fs"
         raise ValueError(f"shared: expected one of {SHARED_KINDS}, got {shared!r}")
 
     def start(env: StackEnv) -> StartedConfig:
-        # the router on P, the instances on P+1, P+2, their node servers on P+101, P+102,
-        # kv_aware's relays of their KV events on P+201, P+202
-        port = ports.free_base((0, 1, 2, 101, 102, 201, 202))
+        # the router on P (vllm-router's metrics on P+100), the instances on P+1, P+2, their
+        # node servers on P+101, P+102, kv_aware's relays of their KV events on P+201, P+202
+        port = ports.free_base((0, 1, 2, 100, 101, 102, 201, 202))
         extra: list[str] = []
         if router == "vllm-router":  # the benchmark installs its peer; kvtier serve never does
             from kvtier.bench.peers import ensure_vllm_router
@@ -330,7 +330,7 @@ def _plain_fleet(n: int, router: str, policy: str) -> Callable[[StackEnv], Start
             from kvtier.bench.peers import ensure_vllm_router
 
             binary = ensure_vllm_router(log_file=env.workdir.parent / "vllm-router-install.log")
-        port = ports.free_base(range(n + 1))
+        port = ports.free_base((*range(n + 1), 100))  # vllm-router's metrics on P+100
         return launch(env, plain_fleet_specs(env, n, router, policy, port, binary), port)
     return start
 

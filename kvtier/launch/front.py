@@ -8,7 +8,8 @@
 ``vllm-router``  vLLM's Rust router, found (never installed) by :mod:`kvtier.launch.
                vllm_router`: ``vllm-router --worker-urls URL URL --policy P --port P``
                (default policy ``round_robin``), health-checking its workers every 2 s
-               (:data:`VLLM_ROUTER_HEALTH`); ``kv_aware`` adds ``--kv-event-source URL=
+               (:data:`VLLM_ROUTER_HEALTH`), its Prometheus metrics on 127.0.0.1:P+100
+               (:func:`router_metrics_port`); ``kv_aware`` adds ``--kv-event-source URL=
                tcp://127.0.0.1:PORT`` per instance (:class:`KvEventSources`)
 ``none``       no router: clients call the instances directly
 =============  ==============================================================================
@@ -59,6 +60,14 @@ class KvEventSources:
                 "--kv-event-model", self.model]
 
 
+def router_metrics_port(port: int) -> int:
+    """Where vllm-router serves its Prometheus metrics when it routes on ``port``: always
+    given, because its default (29000, on every interface) is a fixed port that anything
+    else may hold (a SeaweedFS the stack started on free ports took it once), and then
+    vllm-router exits at every start."""
+    return port + 100
+
+
 def check_router(kind: str, policy: str) -> None:
     """Fail early (before any engine starts) on a router this kvtier cannot start."""
     if kind not in ROUTERS:
@@ -97,7 +106,8 @@ def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence
         return argv + (["--node-token-file", node_token_file] if node_token_file else [])
     binary = vllm_router or find_vllm_router()
     argv = [str(binary), "--host", host, "--port", str(port), "--worker-urls", *backends,
-            "--policy", policy, "--log-level", "warning", *VLLM_ROUTER_HEALTH]
+            "--policy", policy, "--log-level", "warning", *VLLM_ROUTER_HEALTH,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(router_metrics_port(port))]
     if policy == "kv_aware":
         if kv_events is None:
             raise ConfigError("vllm-router's kv_aware needs the instances' KV-event sources")

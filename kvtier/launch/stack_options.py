@@ -1,7 +1,8 @@
 """``kvtier serve --instances N``'s options, parsed once into :class:`StackOptions`.
 
-Ports follow ``--port P`` (default 8000): the router on P, instance i on P+1+i, instance i's
-node server (HTTP API, /metrics) on P+101+i, and with vllm-router's ``kv_aware`` the relay of
+Ports follow ``--port P`` (default 8000): the router on P (vllm-router's Prometheus metrics on
+P+100), instance i on P+1+i, instance i's node server (HTTP API, /metrics) on P+101+i, and
+with vllm-router's ``kv_aware`` the relay of
 instance i's KV events on P+201+i (:mod:`kvtier.launch.kv_events`). So N is at most 100
 (instance 100 would take node server 0's port) and the highest of them at most 65535;
 :meth:`StackOptions.instance_ports` names them for the check that they are free before anything
@@ -22,7 +23,7 @@ from typing import Any
 from kvtier.auth import read_secrets
 from kvtier.config import AuthConfig, parse_size
 from kvtier.errors import ConfigError
-from kvtier.launch.front import DEFAULT_POLICY, ROUTERS, check_router
+from kvtier.launch.front import DEFAULT_POLICY, ROUTERS, check_router, router_metrics_port
 from kvtier.launch.plan import check_token_file
 from kvtier.launch.shared_spec import shared_tier
 from kvtier.launch.sizing import flag_value
@@ -183,9 +184,12 @@ class StackOptions:
         return self.port + 201 + i
 
     def instance_ports(self) -> dict[str, int]:
-        """The ports the instances, their node servers and (with ``kv_aware``) the relays of
-        their KV events listen on (127.0.0.1), by what listens there."""
+        """The ports the instances, their node servers, vllm-router's metrics and (with
+        ``kv_aware``) the relays of their KV events listen on (127.0.0.1), by what listens
+        there."""
         out = {}
+        if self.router == "vllm-router":
+            out["vllm-router's metrics"] = router_metrics_port(self.port)
         for i in range(self.instances):
             out[f"instance {i}"] = self.instance_port(i)
             out[f"instance {i}'s node server"] = self.node_port(i)

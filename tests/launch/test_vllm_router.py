@@ -83,6 +83,10 @@ def test_the_stack_runs_the_router_it_found(tmp_path: Path, nowhere: Path) -> No
                        o.vllm_router)
     assert argv is not None and argv[0] == str(mine)
     assert argv[argv.index("--policy") + 1] == "round_robin"
+    # its metrics on a planned port: its fixed default (29000) was once a SeaweedFS's
+    assert argv[argv.index("--prometheus-port") + 1] == str(o.port + 100)
+    assert argv[argv.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert o.instance_ports()["vllm-router's metrics"] == o.port + 100
     assert options().vllm_router is None
     with pytest.raises(ConfigError, match="--vllm-router is for --router vllm-router"):
         options("--vllm-router", str(mine))
