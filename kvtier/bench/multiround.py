@@ -27,9 +27,8 @@ from typing import Any
 from kvtier.bench.runner import LoadConfig
 from kvtier.bench.tokens import TokenCounter, counter_for
 from kvtier.bench.workload import WorkloadConfig
+from kvtier.demo.model import DEMO_NAME
 from kvtier.errors import BackendUnavailableError, ConfigError
-
-DEMO_NAME = "kvtier-demo"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kvtier.demo.model import DemoRecipe, demo_model_path, ensure_demo_model
+from kvtier.demo.model import DEMO_NAME, DemoRecipe, demo_model_path, ensure_demo_model
 
-__all__ = ["DemoRecipe", "demo_model_path", "ensure_demo_model"]
+__all__ = ["DEMO_NAME", "DemoRecipe", "demo_model_path", "ensure_demo_model"]

@@ -24,6 +24,8 @@ from pathlib import Path
 
 RECIPE_VERSION = 1
 MARKER = "kvtier-demo.json"
+DEMO_NAME = "kvtier-demo"
+"""The name ``kvtier serve`` serves the demo model under (``--served-model-name``)."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from kvtier.config import AuthConfig, ServerConfig, parse_size, runtime_dir
+from kvtier.demo.model import DEMO_NAME
 from kvtier.errors import ConfigError
 from kvtier.launch.plan import (
     GiB,
@@ -48,7 +49,6 @@ from kvtier.vllm.config import ConnectorConfig
 
 log = logging.getLogger("kvtier.serve")
 
-DEMO_NAME = "kvtier-demo"
 NODE_TOKEN_ENV = AuthConfig().http_token_env
 """Where node servers, ``kvtier route`` and ``kvtier verify`` read the node token by
 default (``auth.http_token_env``)."""

@@ -13,9 +13,11 @@ as if on a node of its own), bound to a core of its own on the CPU build
 ``RUN_DIR/instance-i.log``. The router starts once every instance answers (or was given up
 on). Every part — instance, router, local service — is supervised
 (:mod:`kvtier.launch.supervise`): one that exits or stops answering is restarted alone, with
-backoff, until it fails too often and is given up; the rest keeps serving. One Ctrl-C (or
-SIGTERM) stops the router, then the instances (each by its process id, then whatever is left
-in its process groups), then any local service started for ``--shared-local``.
+backoff, until it fails too often and is given up; the rest keeps serving. A router given up
+on before it ever answered stops the stack (exit status 1): it never had an endpoint. One
+Ctrl-C (or SIGTERM) stops the router, then the instances (each by its process id, then
+whatever is left in its process groups), then any local service started for
+``--shared-local``.
 ``RUN_DIR/stack.json`` lists every URL and every part's state, for ``kvtier verify --stack``
 and the router's ``/metrics``. With vllm-router's ``kv_aware`` the instances publish KV events,
 relayed on 127.0.0.1 by a thread of this process (:mod:`kvtier.launch.kv_events`).
@@ -35,12 +37,12 @@ from typing import Any
 import yaml
 
 from kvtier.config import ServerConfig, runtime_dir
+from kvtier.demo.model import DEMO_NAME
 from kvtier.errors import KvtierError
 from kvtier.launch.front import KvEventSources, router_argv
 from kvtier.launch.kv_events import KvEventRelay, instance_events_config
 from kvtier.launch.parts import ProcessPart, ServicePart, stop_together
 from kvtier.launch.plan import default_sizes, instance_binding, instance_cpu, is_cpu_build
-from kvtier.launch.serve import DEMO_NAME
 from kvtier.launch.sizing import flag_value
 from kvtier.launch.stack_options import StackOptions
 from kvtier.launch.summary import say, tiers_line
@@ -234,6 +236,11 @@ class Stack:
         if settled and self.router is None and self.o.router != "none":
             self._start_router()
         front = sup[self.router.name] if self.router else None
+        if front is not None and front.state is PartState.GIVEN_UP and not self.announced:
+            # nothing ever routed: a stack without its one endpoint serves no one, and a
+            # caller waiting for it (a benchmark, a deploy script) would wait for nothing
+            say(f"kvtier serve: the {self.o.router} router never came up; stopping")
+            return 1
         if not self.announced and settled and (front is None or front.state is PartState.UP):
             self.announced = True
             self._say_status()

@@ -179,3 +179,45 @@ def test_the_router_argv_reads_the_parts_file(tmp_path: Path) -> None:
     out = subprocess.run([*argv[:3], "route", "--help"], check=True, capture_output=True,
                          text=True, timeout=60).stdout
     assert "--parts-file" in out
+
+
+_HEALTHY = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_router_that_never_comes_up_stops_the_stack(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """Instances up, a router that exits at every start (a flag it refuses): once the stack
+    gives up on it, it stops with status 1 instead of holding engines no one can reach (a
+    benchmark waited 15 minutes on such a stack)."""
+    from kvtier.launch.stack import Stack
+
+    router = tmp_path / "vllm-router"
+    router.write_text("#!/bin/sh\necho 'error: unknown option' >&2\nexit 1\n")
+    router.chmod(0o755)
+    o = options("--router", "vllm-router", "--vllm-router", str(router), "--shared", "none",
+                "--restart-limit", "1", "--run-dir", str(tmp_path / "run"),
+                "--port", str(free_port()))
+    stack = Stack(o)
+
+    def instance_part(i: int) -> ProcessPart:
+        port = o.instance_port(i)
+        return ProcessPart(f"instance {i}", [sys.executable, "-c", _HEALTHY, str(port)],
+                           tmp_path / f"instance-{i}.log", f"http://127.0.0.1:{port}/health")
+
+    monkeypatch.setattr(stack, "instance_part", instance_part)
+    started = time.monotonic()
+    rc = stack.run()
+    out = capsys.readouterr()
+    assert rc == 1
+    assert "the vllm-router router never came up; stopping" in out.out + out.err
+    assert time.monotonic() - started < 60
+    assert not any(p.running() for p in stack.instances), "the instances were stopped"
