@@ -40,6 +40,16 @@ def _subscriber(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> zmq.Socket[by
     return sub
 
 
+@pytest.fixture
+def one_stream(tmp_path: Path) -> Iterator[tuple[Path, int, KvEventRelay]]:
+    """A started relay of one stream: its ipc path, its port, the relay (stopped after)."""
+    path, port = tmp_path / "a.kv", free_port()
+    relay = KvEventRelay([f"ipc://{path}"], [port])
+    relay.start()
+    yield path, port, relay
+    relay.stop()
+
+
 def _until_received(pub: zmq.Socket[bytes], sub: zmq.Socket[bytes]) -> None:
     """PUB/SUB joins are asynchronous: publish a marker until one arrives end to end."""
     sub.setsockopt(zmq.RCVTIMEO, 100)
@@ -88,50 +98,42 @@ def test_each_stream_reaches_its_own_port_unchanged_and_in_order(
     assert not any(p.exists() for p in paths), "the ipc paths are removed at stop"
 
 
-def test_a_restarted_publisher_is_followed(tmp_path: Path,
+def test_a_restarted_publisher_is_followed(one_stream: tuple[Path, int, KvEventRelay],
                                            context: zmq.Context[zmq.Socket[bytes]]) -> None:
-    path, port = tmp_path / "a.kv", free_port()
-    relay = KvEventRelay([f"ipc://{path}"], [port])
-    relay.start()
-    try:
-        sub = _subscriber(context, port)
-        first = _publisher(context, path)
-        _until_received(first, sub)
-        first.close(0)
-        path.unlink()  # as a killed instance leaves it; its successor binds the path again
-        second = _publisher(context, path)
-        _until_received(second, sub)
-        second.send_multipart([b"kv-events", b"after", b"restart"])
-        assert sub.recv_multipart() == [b"kv-events", b"after", b"restart"]
-    finally:
-        relay.stop()
+    path, port, _ = one_stream
+    sub = _subscriber(context, port)
+    first = _publisher(context, path)
+    _until_received(first, sub)
+    first.close(0)
+    path.unlink()  # as a killed instance leaves it; its successor binds the path again
+    second = _publisher(context, path)
+    _until_received(second, sub)
+    second.send_multipart([b"kv-events", b"after", b"restart"])
+    assert sub.recv_multipart() == [b"kv-events", b"after", b"restart"]
 
 
 def test_no_subscriber_and_a_flood_never_block_the_relay(
-        tmp_path: Path, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        one_stream: tuple[Path, int, KvEventRelay],
+        context: zmq.Context[zmq.Socket[bytes]]) -> None:
     """With its router gone, a flood past the high-water mark: ZMQ drops what does not fit,
     the relay keeps reading, and a router that comes back gets new events at once."""
-    path, port = tmp_path / "a.kv", free_port()
-    relay = KvEventRelay([f"ipc://{path}"], [port])
-    relay.start()
-    try:
-        pub = _publisher(context, path)
-        sub = _subscriber(context, port)
-        _until_received(pub, sub)
-        sub.close(0)  # the router went away
-        for i in range(150_000):  # past the relay's high-water mark (100,000)
-            pub.send_multipart([b"kv-events", i.to_bytes(8, "big"), b""])
-        settled, last = 0, -1
-        while settled < 5:  # until the count stops moving
-            time.sleep(0.1)
-            now = relay.forwarded[0]
-            settled, last = (settled + 1 if now == last else 0), now
-        assert relay.forwarded[0] >= 100_000, "the relay kept reading through the flood"
-        back = _subscriber(context, port)
-        _until_received(pub, back)
-    finally:
-        started = time.monotonic()
-        relay.stop()
+    path, port, relay = one_stream
+    pub = _publisher(context, path)
+    sub = _subscriber(context, port)
+    _until_received(pub, sub)
+    sub.close(0)  # the router went away
+    for i in range(150_000):  # past the relay's high-water mark (100,000)
+        pub.send_multipart([b"kv-events", i.to_bytes(8, "big"), b""])
+    settled, last = 0, -1
+    while settled < 5:  # until the count stops moving
+        time.sleep(0.1)
+        now = relay.forwarded[0]
+        settled, last = (settled + 1 if now == last else 0), now
+    assert relay.forwarded[0] >= 100_000, "the relay kept reading through the flood"
+    back = _subscriber(context, port)
+    _until_received(pub, back)
+    started = time.monotonic()
+    relay.stop()
     assert time.monotonic() - started < 5
 
 
