@@ -2,11 +2,10 @@
 
 Ports follow ``--port P`` (default 8000): the router on P (vllm-router's Prometheus metrics on
 P+100), instance i on P+1+i, instance i's node server (HTTP API, /metrics) on P+101+i, and
-with vllm-router's ``kv_aware`` the relay of
-instance i's KV events on P+201+i (:mod:`kvtier.launch.kv_events`). So N is at most 100
-(instance 100 would take node server 0's port) and the highest of them at most 65535;
-:meth:`StackOptions.instance_ports` names them for the check that they are free before anything
-starts.
+with vllm-router's ``kv_aware`` the relay of instance i's KV events on P+201+i
+(:mod:`kvtier.launch.kv_events`). So N is at most 100 (instance 100 would take node server
+0's port) and the highest of them at most 65535; :meth:`StackOptions.instance_ports` names
+them for the check that they are free before anything starts.
 
 With a node token (``$KVTIER_NODE_TOKEN``, or ``--node-token-file``) every node server asks
 for it, and the router and ``kvtier verify`` are given it.
