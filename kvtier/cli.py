@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from types import FrameType
 
 from kvtier.errors import KvtierError
 from kvtier.version import __version__
@@ -91,6 +88,7 @@ def _run_server(args: argparse.Namespace) -> int:
 
     from kvtier import logs
     from kvtier.config import ServerConfig
+    from kvtier.processes import StopRequest
     from kvtier.server import NodeServer
 
     config = ServerConfig.from_yaml(args.config)
@@ -98,17 +96,11 @@ def _run_server(args: argparse.Namespace) -> int:
         config = msgspec.structs.replace(config, socket_path=args.socket)
     logs.setup(config.log_level, config.log_format)
     server = NodeServer(config)
-    stop = threading.Event()
-
-    def on_signal(_signum: int, _frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    server.start()
-    while not stop.wait(0.5):
-        pass
-    server.stop()
+    with StopRequest() as stop:  # a handler that only sets a flag: never deadlocks
+        server.start()
+        while not stop.sleep(0.5):
+            pass
+        server.stop()
     return 0
 
 
