@@ -37,6 +37,11 @@ TOPIC = "kv-events"
 POLL_MS = 200
 
 
+def relay_endpoint(port: int, host: str = "127.0.0.1") -> str:
+    """Where the relay republishes a stream (what vllm-router's ``--kv-event-source`` names)."""
+    return f"tcp://{host}:{port}"
+
+
 def instance_events_config(endpoint: str) -> str:
     """The ``--kv-events-config`` of an instance publishing on ``endpoint``."""
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
@@ -54,7 +59,7 @@ class KvEventRelay:
         if len(sources) != len(ports):
             raise ValueError(f"{len(sources)} sources for {len(ports)} ports")
         self.sources = list(sources)
-        self.endpoints = [f"tcp://{host}:{port}" for port in ports]
+        self.endpoints = [relay_endpoint(port, host) for port in ports]
         self.forwarded = [0] * len(self.sources)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -40,7 +40,7 @@ from kvtier.config import ServerConfig, runtime_dir
 from kvtier.demo.model import DEMO_NAME
 from kvtier.errors import KvtierError
 from kvtier.launch.front import KvEventSources, router_argv
-from kvtier.launch.kv_events import KvEventRelay, instance_events_config
+from kvtier.launch.kv_events import KvEventRelay, instance_events_config, relay_endpoint
 from kvtier.launch.parts import ProcessPart, ServicePart, stop_together
 from kvtier.launch.plan import default_sizes, instance_binding, instance_cpu, is_cpu_build
 from kvtier.launch.sizing import flag_value
@@ -98,9 +98,9 @@ class Stack:
         host = "127.0.0.1" if self.o.host in ("0.0.0.0", "::", "") else self.o.host
         return f"http://{host}:{self.o.port}"
 
-    def kv_event_path(self, i: int) -> str:
-        """The ipc path instance i publishes its KV events on (kv_aware only)."""
-        return os.path.join(runtime_dir(), f"stack-{os.getpid()}-{i}.kv-events")
+    def kv_event_endpoint(self, i: int) -> str:
+        """The ipc endpoint instance i publishes its KV events on (kv_aware only)."""
+        return "ipc://" + os.path.join(runtime_dir(), f"stack-{os.getpid()}-{i}.kv-events")
 
     def kv_event_sources(self) -> KvEventSources:
         """What vllm-router's kv_aware is told: the relayed streams, the engines' block size
@@ -111,7 +111,7 @@ class Stack:
         block = flag_value(o.vllm_args, "--block-size") or (128 if is_cpu_build() else 16)
         model = flag_value(o.vllm_args, "--served-model-name") or o.model or DEMO_NAME
         return KvEventSources(
-            tuple(f"tcp://127.0.0.1:{o.kv_event_port(i)}" for i in range(o.instances)),
+            tuple(relay_endpoint(o.kv_event_port(i)) for i in range(o.instances)),
             int(block), model)
 
     def server_config(self, i: int) -> dict[str, Any]:
@@ -134,8 +134,7 @@ class Stack:
         if o.model:
             argv += ["--model", o.model]
         if o.kv_events:
-            argv += ["--kv-events-config",
-                     instance_events_config(f"ipc://{self.kv_event_path(i)}")]
+            argv += ["--kv-events-config", instance_events_config(self.kv_event_endpoint(i))]
         return [*argv, "--port", str(o.instance_port(i)), "--host", "127.0.0.1",
                 *o.vllm_args]
 
@@ -172,8 +171,7 @@ class Stack:
             ServerConfig.from_dict(config)  # fail here, not in a child
             (o.run_dir / f"instance-{i}.yaml").write_text(yaml.safe_dump(config))
         if o.kv_events:  # listening before the instances publish, or a taken port fails now
-            self.relay = KvEventRelay([f"ipc://{self.kv_event_path(i)}"
-                                       for i in range(o.instances)],
+            self.relay = KvEventRelay([self.kv_event_endpoint(i) for i in range(o.instances)],
                                       [o.kv_event_port(i) for i in range(o.instances)])
             try:
                 self.relay.start()

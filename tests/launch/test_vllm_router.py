@@ -135,7 +135,7 @@ def test_kv_aware_gets_each_instances_relayed_events(tmp_path: Path, nowhere: Pa
     assert argv[argv.index("--kv-event-block-size") + 1] == "16"
     assert argv[argv.index("--kv-event-model") + 1] == "chat"
     events = stack.instance_argv(1)[stack.instance_argv(1).index("--kv-events-config") + 1]
-    assert f"ipc://{stack.kv_event_path(1)}" in events
+    assert stack.kv_event_endpoint(1).startswith("ipc://") and stack.kv_event_endpoint(1) in events
     assert "--kv-events-config" not in Stack(options()).instance_argv(0)
     with pytest.raises(ConfigError, match="kv_aware needs the instances' KV-event sources"):
         router_argv(o.router, o.policy, o.host, o.port, ["http://a:1"], [], o.vllm_router)
