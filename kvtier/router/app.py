@@ -187,6 +187,7 @@ class Router:
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         for b in self.pool:
             self.metrics.speed.labels(b.name).set(b.load.speed.value)
+            self.metrics.others.labels(b.name).set(b.load.others)
         body = generate_latest(self.metrics.registry)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST

@@ -55,6 +55,10 @@ class RouterMetrics:
                         ["backend"], registry=r)
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests the router has at the "
                                "backend", ["backend"], registry=r)
+        self.others = Gauge("kvtier_router_backend_others", "Requests the backend runs or "
+                            "queues that this router did not send (its /metrics at the last "
+                            "health round; the cache strategy counts them in its wait)",
+                            ["backend"], registry=r)
         self.speed = Gauge("kvtier_router_prefill_tokens_per_second", "The backend's "
                            "measured prefill speed (cache strategy)", ["backend"], registry=r)
         self.predicted_tokens = Counter("kvtier_router_predicted_tokens", "Prompt tokens by "

@@ -5,8 +5,9 @@ and arena, each bound to a core of its own.
 - The router's prompt tokens equal vLLM's (``/tokenize``) for completions and chat, and the
   keys it computes from them are the keys the engine stored: its node server holds every one.
 - A long prompt sent twice through the router lands on both instances: the first time on
-  one; the second time that one is busy with another client's long prompt, so load wins and
-  the other instance serves it from the shared tier, with the text of the first answer.
+  one; the second time that one is busy with other clients' long prompts (and the router has
+  seen them in its /metrics), so load wins and the other instance serves it from the shared
+  tier, with the text of the first answer.
 """
 
 from __future__ import annotations
@@ -191,6 +192,12 @@ def held(inst: Instance, keys: list[str]) -> list[str]:
     return list(doc["tiers"])
 
 
+def others(metrics: str, prefix: str) -> float:
+    """The value of the router's ``kvtier_router_backend_others`` line starting ``prefix``."""
+    line = next((ln for ln in metrics.splitlines() if ln.startswith(prefix)), prefix + "0")
+    return float(line[len(prefix):])
+
+
 def by_url(instances: list[Instance], url: str) -> Instance:
     return next(i for i in instances if i.url == url)
 
@@ -231,17 +238,28 @@ def test_a_prompt_sent_twice_lands_on_both_and_the_second_loads_the_shared_tier(
     while held(y, keys) != ["shared"] * len(keys):
         assert time.monotonic() < deadline, "the other node never saw the shared chunks"
         time.sleep(0.2)
-    # another client keeps x busy: a long prompt sent to it directly
+    # other clients keep x busy: three long prompts sent to it directly
     busy = subprocess.Popen([sys.executable, "-c", (
-        "import json, urllib.request, random\n"
-        "rng = random.Random(7)\n"
-        f"body = {{'model': '{MODEL}', 'max_tokens': 48, 'temperature': 0.0,\n"
-        "        'prompt': [rng.randrange(3, 1600) for _ in range(9000)]}\n"
-        f"req = urllib.request.Request('{x.url}/v1/completions', json.dumps(body).encode(),\n"
-        "                             {'Content-Type': 'application/json'})\n"
-        "urllib.request.urlopen(req, timeout=300).read()\n")])
+        "import json, urllib.request, random, threading\n"
+        "def send(seed):\n"
+        "    rng = random.Random(seed)\n"
+        f"    body = {{'model': '{MODEL}', 'max_tokens': 48, 'temperature': 0.0,\n"
+        "            'prompt': [rng.randrange(3, 1600) for _ in range(9000)]}\n"
+        f"    req = urllib.request.Request('{x.url}/v1/completions', json.dumps(body).encode(),\n"
+        "                                 {'Content-Type': 'application/json'})\n"
+        "    urllib.request.urlopen(req, timeout=300).read()\n"
+        "sent = [threading.Thread(target=send, args=(seed,)) for seed in (7, 8, 9)]\n"
+        "for t in sent: t.start()\n"
+        "for t in sent: t.join()\n")])
     try:
-        time.sleep(1.5)  # a few health rounds: the router reads x's queue from its /metrics
+        # the router reads x's queue from its /metrics each health round: wait until it has
+        # (a fixed sleep raced the poll, and on a fast machine the prompts themselves)
+        seen = f'kvtier_router_backend_others{{backend="{x.url}"}} '
+        deadline = time.monotonic() + 60
+        while others(call(f"{url}/metrics")[1], seen) < 2:
+            assert busy.poll() is None and time.monotonic() < deadline, \
+                "the router never saw x's queue"
+            time.sleep(0.1)
         started = time.monotonic()
         status, second, headers = call(f"{url}/v1/completions", body)
         second_s = time.monotonic() - started

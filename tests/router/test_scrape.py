@@ -7,6 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import aiohttp
 import pytest
 from aiohttp import web
 from stubs import StubBackend, router_config, running_router
@@ -87,6 +88,11 @@ def test_a_backend_with_a_hostile_metrics_page_stays_in(page: str) -> None:
                 assert state.healthy, state.reason
                 expect = (2, 16000) if page.startswith(RUNNING) else (0, None)
                 assert (state.load.others, state.device_tokens) == expect
+                async with aiohttp.ClientSession() as s, \
+                        s.get(f"http://127.0.0.1:{router.port}/metrics") as resp:
+                    mine = await resp.text()
+                assert f'kvtier_router_backend_others{{backend="{state.name}"}} ' \
+                    f"{float(expect[0])}" in mine, "the router shows what it counted"
         finally:
             await backend.stop()
     asyncio.run(main())
