@@ -268,11 +268,12 @@ def _start_arena_shared(env: StackEnv) -> StartedConfig:
 SHARED_KINDS = ("fs", "s3", "none")
 
 
-def _two_instances(router: str, policy: str, shared: str = "fs"
-                   ) -> Callable[[StackEnv], StartedConfig]:
-    """``kvtier serve --instances 2`` (one core each) behind ``router``, with one shared tier:
-    ``fs`` (a folder of the run), ``s3`` (a SeaweedFS the stack starts in its run folder: a
-    slow shared tier) or ``none`` (each instance has only its own arena)."""
+def _two_instances(router: str, policy: str, shared: str = "fs",
+                   router_args: tuple[str, ...] = ()) -> Callable[[StackEnv], StartedConfig]:
+    """``kvtier serve --instances 2`` (one core each) behind ``router`` (given
+    ``router_args`` too), with one shared tier: ``fs`` (a folder of the run), ``s3`` (a
+    SeaweedFS the stack starts in its run folder: a slow shared tier) or ``none`` (each
+    instance has only its own arena)."""
     if shared not in SHARED_KINDS:
         raise ValueError(f"shared: expected one of {SHARED_KINDS}, got {shared!r}")
 
@@ -293,6 +294,7 @@ def _two_instances(router: str, policy: str, shared: str = "fs"
         size = ["--shared-size", str(env.disk_bytes)] if shared != "none" else []
         argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
                 "--port", str(port), "--router", router, "--router-policy", policy, *extra,
+                *(f"--router-arg={a}" for a in router_args),
                 *tier, *size,
                 "--arena-size", str(env.arena_bytes), "--run-dir", str(env.workdir / "stack"),
                 "--served-model-name", env.served_name, "--chunk-tokens",
@@ -349,15 +351,18 @@ _SETUPS = (
      "shared tier: routing is the only way to reuse) behind "),
     ("2x-s3", "s3", "two instances (a core each) sharing a slow tier, S3 on a SeaweedFS the "
      "stack starts (same cores), behind "))
-_FRONTS = (("roundrobin", "kvtier", "roundrobin", "kvtier route, round robin"),
-           ("cache", "kvtier", "cache", "kvtier route, cache-aware"),
-           ("vllm-router", "vllm-router", "cache_aware", "vLLM's own router (cache_aware)"),
-           ("vllm-router-kv", "vllm-router", "kv_aware", "vLLM's own router (kv_aware, on the "
-            "instances' KV events, relayed by the stack)"))
+_FRONTS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
+    ("roundrobin", "kvtier", "roundrobin", (), "kvtier route, round robin"),
+    ("cache", "kvtier", "cache", (), "kvtier route, cache-aware"),
+    ("cache-w0", "kvtier", "cache", ("--decode-weight=0",), "kvtier route, cache-aware, "
+     "decoding streams not counted (--decode-weight 0: prefill queues only)"),
+    ("vllm-router", "vllm-router", "cache_aware", (), "vLLM's own router (cache_aware)"),
+    ("vllm-router-kv", "vllm-router", "kv_aware", (), "vLLM's own router (kv_aware, on the "
+     "instances' KV events, relayed by the stack)"))
 for _prefix, _shared, _setup in _SETUPS:
-    for _suffix, _router, _policy, _front in _FRONTS:
+    for _suffix, _router, _policy, _args, _front in _FRONTS:
         register_stack(f"{_prefix}+{_suffix}", _setup + _front,
-                       _two_instances(_router, _policy, shared=_shared))
+                       _two_instances(_router, _policy, shared=_shared, router_args=_args))
 register_stack("2x-plain+vllm-router", "two plain vLLM instances (a core each, no kvtier, no "
                "shared tier) behind vLLM's own router, round robin: the plain fleet",
                _plain_fleet(2, "vllm-router", "round_robin"))

@@ -83,18 +83,59 @@ def check_router(kind: str, policy: str) -> None:
                           f"{', '.join(VLLM_ROUTER_POLICIES)}; got {policy!r}")
 
 
+STACK_ROUTER_FLAGS = frozenset({
+    "--host", "--port", "--backends", "--kvtier-servers", "--strategy", "--parts-file",
+    "--node-token-file", "--worker-urls", "--policy", "--prometheus-host",
+    "--prometheus-port", "--kv-event-source", "--kv-event-block-size", "--kv-event-model"})
+"""Router flags the stack sets itself: ``--router-arg`` may not give them."""
+
+
+def check_router_args(kind: str, policy: str, extra: Sequence[str]) -> None:
+    """Fail early on ``--router-arg`` values the stack sets itself, on any with ``--router
+    none``, and (for ``kvtier route``, whose parser is here) on any it would refuse."""
+    if not extra:
+        return
+    if kind == "none":
+        raise ConfigError("--router-arg: there is no router with --router none")
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag in STACK_ROUTER_FLAGS:
+            raise ConfigError(f"--router-arg {arg}: the stack sets {flag} itself; give the "
+                              "stack's own options (--port, --router-policy, ...) instead")
+    if kind == "kvtier":
+        import contextlib
+        import io
+
+        from kvtier.cli import build_parser
+        from kvtier.router.config import RouterConfig
+
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors):
+                args = build_parser().parse_args(
+                    ["route", "--backends", "http://127.0.0.1:1", "--strategy", policy,
+                     *extra])
+        except SystemExit:
+            said = errors.getvalue().strip().splitlines()
+            raise ConfigError(f"--router-arg: kvtier route refuses {' '.join(extra)!r}: "
+                              f"{said[-1] if said else 'bad arguments'}") from None
+        RouterConfig.from_args(args)  # its values (a weight out of range, ...)
+
+
 def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence[str],
                 node_urls: Sequence[str], vllm_router: Path | None = None, *,
                 node_token_file: str | None = None,
                 parts_file: Path | None = None,
-                kv_events: KvEventSources | None = None) -> list[str] | None:
+                kv_events: KvEventSources | None = None,
+                extra: Sequence[str] = ()) -> list[str] | None:
     """The router's command line (None for ``none``). ``vllm_router``: the executable for
     ``vllm-router`` (ignored by the others; None: :func:`find_vllm_router`'s, which fails
     when there is none). ``kvtier route`` reads the node token from ``$KVTIER_NODE_TOKEN``
     (inherited) unless ``node_token_file`` is given; vllm-router never asks node servers.
     ``parts_file``: the stack.json whose parts' states ``kvtier route`` shows in its
     /metrics. ``kv_events``: the instances' KV-event streams, for vllm-router's
-    ``kv_aware``."""
+    ``kv_aware``. ``extra``: more arguments, last (``--router-arg``, checked by
+    :func:`check_router_args`)."""
     if kind == "none":
         return None
     if kind == "kvtier":
@@ -103,7 +144,8 @@ def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence
                 "--strategy", policy, "--host", host, "--port", str(port)]
         if parts_file is not None:
             argv += ["--parts-file", str(parts_file)]
-        return argv + (["--node-token-file", node_token_file] if node_token_file else [])
+        return argv + (["--node-token-file", node_token_file] if node_token_file else []) \
+            + list(extra)
     binary = vllm_router or find_vllm_router()
     argv = [str(binary), "--host", host, "--port", str(port), "--worker-urls", *backends,
             "--policy", policy, "--log-level", "warning", *VLLM_ROUTER_HEALTH,
@@ -112,4 +154,4 @@ def router_argv(kind: str, policy: str, host: str, port: int, backends: Sequence
         if kv_events is None:
             raise ConfigError("vllm-router's kv_aware needs the instances' KV-event sources")
         argv += kv_events.argv(backends)
-    return argv
+    return argv + list(extra)

@@ -255,7 +255,8 @@ class Stack:
                            [self.node_url(i) for i in range(o.instances)],
                            o.vllm_router, node_token_file=o.node_token_file,
                            parts_file=state,
-                           kv_events=self.kv_event_sources() if o.kv_events else None)
+                           kv_events=self.kv_event_sources() if o.kv_events else None,
+                           extra=o.router_args)
         if argv is None:
             return
         self._write_state()  # the router reads the parts' states from it

@@ -22,7 +22,13 @@ from typing import Any
 from kvtier.auth import read_secrets
 from kvtier.config import AuthConfig, parse_size
 from kvtier.errors import ConfigError
-from kvtier.launch.front import DEFAULT_POLICY, ROUTERS, check_router, router_metrics_port
+from kvtier.launch.front import (
+    DEFAULT_POLICY,
+    ROUTERS,
+    check_router,
+    check_router_args,
+    router_metrics_port,
+)
 from kvtier.launch.plan import check_token_file
 from kvtier.launch.shared_spec import shared_tier
 from kvtier.launch.sizing import flag_value
@@ -51,6 +57,10 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router-policy", metavar="NAME",
                    help="its strategy / policy (default: cache for kvtier, round_robin for "
                    "vllm-router)")
+    g.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the router's command line, e.g. "
+                   "--router-arg=--decode-weight=0 (repeat it for more; not the flags the "
+                   "stack sets itself)")
     g.add_argument("--vllm-router", metavar="PATH",
                    help="the vllm-router executable for --router vllm-router (default: "
                    f"${VLLM_ROUTER_ENV}, then the one `{INSTALL_VLLM_ROUTER}` installs, then "
@@ -101,6 +111,8 @@ class StackOptions:
     vllm_router: Path | None = None
     """The vllm-router executable (found before anything starts); None for other routers."""
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    router_args: tuple[str, ...] = ()
+    """``--router-arg``: appended to the router's command line (checked)."""
 
     @property
     def kv_events(self) -> bool:
@@ -124,6 +136,8 @@ class StackOptions:
             raise ConfigError("give --shared or --shared-local, not both")
         policy = args.router_policy or DEFAULT_POLICY[args.router]
         check_router(args.router, policy)
+        router_args = tuple(getattr(args, "router_arg", None) or ())
+        check_router_args(args.router, policy, router_args)
         vllm_router = _vllm_router(args)
         vllm_args = list(args.vllm_args)
         port = int(flag_value(vllm_args, "--port") or 8000)
@@ -138,7 +152,7 @@ class StackOptions:
             chunk_tokens=args.chunk_tokens, priority=args.priority,
             run_dir=Path(args.run_dir).expanduser() if args.run_dir else _default_run_dir(),
             verify=bool(args.verify), node_token_file=_token_file(args),
-            vllm_router=vllm_router, restart=_restart_policy(args))
+            vllm_router=vllm_router, restart=_restart_policy(args), router_args=router_args)
         top, what = options.node_port(n - 1), "node server"
         if options.kv_events:
             top, what = options.kv_event_port(n - 1), "KV-event relay"

@@ -4,7 +4,8 @@ Counts every answer by backend, endpoint and status, its latency and first byte;
 ``cache`` strategy's predictions, the predicted and the reported sources of the prompt's
 tokens (``kv_transfer_params.kvtier.tokens``); and, from a request that had its backend to
 itself, a prefill-speed sample (recomputed tokens over TTFT less load time) and, from
-streams, the time between chunks and the time from first to last byte (decoding).
+streams, the time between chunks and the time from first to last byte (decoding), and the
+time between chunks against the streams that decoded beside it (the step model).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ class Accounting:
         if outcome.status != 200:
             return
         if outcome.streamed and outcome.chunks >= 3 and outcome.first_byte and outcome.last_byte:
-            backend.load.itl_s.add((outcome.last_byte - outcome.first_byte)
-                                   / (outcome.chunks - 1))
+            itl = (outcome.last_byte - outcome.first_byte) / (outcome.chunks - 1)
+            backend.load.itl_s.add(itl)
             backend.load.decode_s.add(outcome.last_byte - outcome.first_byte)
+            if flight is not None and flight.mean_decoding is not None:
+                backend.load.steps.add(flight.mean_decoding, itl)
         actual = _actual_sources(outcome.doc)
         pred = decision.prediction
         if pred is not None:

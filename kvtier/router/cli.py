@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kvtier import logs
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.router.config import DEFAULT_MAX_BODY_BYTES, NODE_TOKEN_ENV, RouterConfig
+from kvtier.router.config import DEFAULT_MAX_BODY_BYTES, NODE_TOKEN_ENV, CostModel, RouterConfig
 
 log = logging.getLogger("kvtier.router")
 STRATEGY_NAMES = ("roundrobin", "session", "prefix", "cache")
@@ -71,11 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "device cache")
     p.add_argument("--lookup-timeout-s", type=float, default=0.1,
                    help="cache strategy: a node server slower than this holds nothing")
-    p.add_argument("--decode-weight", type=float, default=0.0,
-                   help="cache strategy: each of the router's requests on a backend adds this "
-                   "share of a request's measured decode time there to a newcomer's score "
-                   "(default: %(default)s, not counted: kept on their instance, conversations "
-                   "got their first tokens sooner; docs/router.md)")
+    p.add_argument("--decode-weight", type=float, default=CostModel.decode_weight,
+                   help="cache strategy: how much of a backend's measured crowding (how much "
+                   "each stream decoding there slows the others' steps, from streamed "
+                   "answers) counts in a newcomer's score there; 1: as measured, 0: only "
+                   "prefill queues count (default: %(default)s; docs/router.md)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
     p.add_argument("--parts-file", metavar="FILE",

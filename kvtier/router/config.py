@@ -33,10 +33,10 @@ class CostModel:
     """vLLM's device cache size in tokens when the backend's /metrics does not say."""
     lookup_timeout_s: float = 0.1
     """A node server that has not answered a lookup by then counts as holding nothing."""
-    decode_weight: float = 0.0
-    """Each of the router's requests on a backend adds this share of the backend's measured
-    decode time (streams' first to last byte) to a newcomer's score there (0, the default:
-    not counted; docs/router.md says why)."""
+    decode_weight: float = 1.0
+    """How much of a backend's measured crowding counts in a newcomer's score there: what
+    the streams decoding beside it cost it, and it them (:meth:`BackendLoad.crowding_s`;
+    1: as measured, 0: not counted; docs/router.md)."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -104,7 +105,7 @@ class HealthMonitor:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return
         gauges = engine_gauges(text)
-        backend.load.observe(gauges.running, gauges.waiting)
+        backend.load.observe(gauges.running, gauges.waiting, time.monotonic())
         if gauges.device_tokens:
             backend.device_tokens = gauges.device_tokens
 

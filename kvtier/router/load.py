@@ -1,4 +1,4 @@
-"""What one backend is busy with, as the router sees it, and how fast it prefills.
+"""What one backend is busy with, as the router sees it, and how fast it prefills and decodes.
 
 Each request the router sends is a *flight* with the prefill time predicted when it was sent
 (load + prefill, :mod:`kvtier.router.cost`). Prefills run one after another (vLLM schedules
@@ -9,10 +9,6 @@ is busy until ``busy_until``::
     on a first byte or end:   busy_until = now + sum of predicted over flights still prefilling
     wait = max(0, busy_until - now) + others * mean_prefill_s
 
-Every flight also decodes beside a newcomer (now, or once prefilled), sharing the backend's
-steps: the ``cache`` strategy adds ``decode_weight * decode_s`` for each (``decode_s``: how
-long a request decoded here, from streams' first to last byte).
-
 The second line corrects the queue whenever a prefill ends sooner or later than predicted. A
 flight is prefilling until its first streamed byte (a whole answer's first byte is its last).
 
@@ -20,6 +16,13 @@ flight is prefilling until its first streamed byte (a whole answer's first byte 
 (``vllm:num_requests_running + vllm:num_requests_waiting`` at the last poll, less the router's
 own flights then). A flight that prefilled while nothing else was in flight is a clean
 speed sample: its recomputed tokens over its TTFT less its load time.
+
+Every flight also decodes beside a newcomer (now, or once prefilled), sharing the backend's
+steps. How much each stream adds to a step is measured, not assumed: each streamed answer is
+a sample of the time between its chunks against the streams decoding beside it (their count
+averaged over its time from first byte to end), kept per count (:class:`StepModel`); the
+slope of step time over count is the seconds one more stream adds to every step. The ``cache``
+strategy turns it into a crowding cost (:meth:`BackendLoad.crowding_s`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class Flight:
     predicted_s: float
     first_byte: float | None = None
     alone: bool = True
+    area_at_first_byte: float = 0.0
+    mean_decoding: float | None = None
+    """Streams decoding on the backend while this one did (itself included), averaged over
+    its time from first byte to end; set at its end."""
 
 
 class Ema:
@@ -50,6 +57,47 @@ class Ema:
         self.samples += 1
 
 
+class StepModel:
+    """A backend's decode step time against how many streams decode together. Samples are
+    kept by their nearest count (1 to :attr:`MAX_STREAMS`; more count as the most), each
+    count a moving average of its samples' streams and step times; the slope is the
+    least-squares line through those points, each weighted by its samples (up to 10)."""
+
+    MAX_STREAMS = 32
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self._by_count: dict[int, tuple[Ema, Ema]] = {}
+
+    def add(self, streams: float, step_s: float) -> None:
+        if not (step_s > 0 and streams > 0):  # also drops NaN
+            return
+        streams = min(float(self.MAX_STREAMS), max(1.0, streams))
+        x, y = self._by_count.setdefault(round(streams), (Ema(0.0, self.alpha),
+                                                          Ema(0.0, self.alpha)))
+        x.add(streams)
+        y.add(step_s)
+
+    @property
+    def points(self) -> dict[int, tuple[float, float]]:
+        """Each count's mean streams and mean step time."""
+        return {n: (x.value, y.value) for n, (x, y) in sorted(self._by_count.items())}
+
+    def slope_s(self) -> float | None:
+        """Seconds one more stream adds to each step (never below 0), or None until the
+        samples' streams spread (a standard deviation of a quarter stream or more)."""
+        points = [(x.value, y.value, min(y.samples, 10)) for x, y in self._by_count.values()]
+        if not points:
+            return None
+        total = sum(w for _, _, w in points)
+        mean_x = sum(x * w for x, _, w in points) / total
+        mean_y = sum(y * w for _, y, w in points) / total
+        spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+        if spread / total < 0.25 ** 2:
+            return None
+        return max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread)
+
+
 class BackendLoad:
     def __init__(self, prefill_tokens_per_s: float, alpha: float) -> None:
         self._flights: dict[int, Flight] = {}
@@ -64,10 +112,32 @@ class BackendLoad:
         self.decode_s = Ema(0.0, alpha)
         """Seconds from a streamed answer's first byte to its last: how long a request
         decodes on this backend (0 until a stream has been seen)."""
+        self.steps = StepModel(alpha)
+        """Time between streamed chunks against the streams decoding together."""
+        self._area = 0.0
+        """Streams decoding here, integrated over time (to :attr:`_area_at`)."""
+        self._area_at: float | None = None
 
     @property
     def in_flight(self) -> int:
         return len(self._flights)
+
+    @property
+    def decoding(self) -> int:
+        """Streams decoding here now: the router's flights past their first byte, and the
+        others."""
+        return sum(1 for f in self._flights.values() if f.first_byte is not None) + self.others
+
+    def crowding_s(self) -> float:
+        """What decoding here costs a newcomer beyond decoding alone, as measured: each of
+        the ``n`` streams that will decode beside it (every flight, and the others) makes
+        each of its steps ``slope`` longer, and it makes each of theirs longer for about
+        half an answer: ``1.5 * n * slope * steps_per_answer``. 0 until measured."""
+        slope = self.steps.slope_s()
+        if slope is None or self.itl_s.value <= 0:
+            return 0.0
+        steps = self.decode_s.value / self.itl_s.value
+        return 1.5 * (self.in_flight + self.others) * slope * steps
 
     def wait_s(self, now: float) -> float:
         return max(0.0, self.busy_until - now) + self.others * self.mean_prefill_s.value
@@ -87,21 +157,36 @@ class BackendLoad:
     def first_byte(self, fid: int, now: float) -> None:
         flight = self._flights.get(fid)
         if flight is not None and flight.first_byte is None:
+            self._advance(now)
             flight.first_byte = now
+            flight.area_at_first_byte = self._area
             self._requeue(now)
 
     def finish(self, fid: int, now: float) -> Flight | None:
-        flight = self._flights.pop(fid, None)
+        flight = self._flights.get(fid)
         if flight is not None:
+            self._advance(now)
+            if flight.first_byte is not None and now > flight.first_byte:
+                flight.mean_decoding = (self._area - flight.area_at_first_byte) / (
+                    now - flight.first_byte)
+            del self._flights[fid]
             self._requeue(now)
         return flight
+
+    def _advance(self, now: float) -> None:
+        """Integrate the streams decoding up to ``now`` (before they change)."""
+        if self._area_at is not None and now > self._area_at:
+            self._area += self.decoding * (now - self._area_at)
+        self._area_at = now if self._area_at is None else max(self._area_at, now)
 
     def _requeue(self, now: float) -> None:
         self.busy_until = now + sum(f.predicted_s for f in self._flights.values()
                                     if f.first_byte is None)
 
-    def observe(self, running: int, waiting: int) -> None:
-        """The backend's own queue, from its /metrics."""
+    def observe(self, running: int, waiting: int, now: float | None = None) -> None:
+        """The backend's own queue, from its /metrics (read at ``now``)."""
+        if now is not None:
+            self._advance(now)
         self.others = max(0, running + waiting - len(self._flights))
 
     def clear(self) -> None:

@@ -106,6 +106,32 @@ def test_router_command_lines() -> None:
         "http://a:9,http://b:9", "--strategy", "cache", "--host", "127.0.0.1", "--port", "80"]
 
 
+def test_router_args_go_last_on_the_routers_command_line() -> None:
+    o = options("--router", "kvtier", "--router-arg=--decode-weight=0",
+                "--router-arg=--lookup-timeout-s=0.2")
+    assert o.router_args == ("--decode-weight=0", "--lookup-timeout-s=0.2")
+    argv = router_argv(o.router, o.policy, o.host, o.port, ["http://a:1"], ["http://a:9"],
+                       extra=o.router_args)
+    assert argv is not None and argv[-2:] == ["--decode-weight=0", "--lookup-timeout-s=0.2"]
+    assert options().router_args == ()
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--router", "kvtier", "--router-arg=--port=9"],
+     "--router-arg --port=9: the stack sets --port itself"),
+    (["--router", "kvtier", "--router-arg=--strategy=session"], "sets --strategy itself"),
+    (["--router-arg=--decode-weight=0"], "there is no router with --router none"),
+    (["--router", "kvtier", "--router-arg=--no-such-flag"],
+     "kvtier route refuses '--no-such-flag': .*unrecognized arguments: --no-such-flag"),
+    (["--router", "kvtier", "--router-arg=--decode-weight=-1"],
+     "--decode-weight: must be between 0 and 100"),
+])
+def test_router_args_the_router_would_refuse_fail_before_anything_starts(
+        argv: list[str], said: str) -> None:
+    with pytest.raises(ConfigError, match=said):
+        options(*argv)
+
+
 def test_dry_run_prints_each_instance(capsys: pytest.CaptureFixture[str], tmp_path: Path
                                       ) -> None:
     rc = main(["serve", "--instances", "2", "--router", "none", "--run-dir", str(tmp_path),

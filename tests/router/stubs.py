@@ -1,8 +1,9 @@
 """OpenAI-shaped stub backends (real aiohttp servers on 127.0.0.1) and a router to test.
 
 A :class:`StubBackend` answers ``/health``, ``/v1/models``, ``/metrics`` and both completion
-endpoints, whole or streamed (SSE, one chunk per token, ``token_s`` apart, the first after
-``ttft_s``), records what it was sent, and can be told to fail. With an
+endpoints, whole or streamed (SSE, one chunk per token, ``token_s`` apart plus
+``token_s_per_stream`` for each other stream it is sending then, the first after ``ttft_s``),
+records what it was sent, and can be told to fail. With an
 :class:`EngineModel` it behaves like a kvtier engine for the cache strategy's tests: prompts
 are token ids cut into chunks, one prefill at a time, the chunks a real node server holds
 cost their arrival time, the rest ``tokens / speed``; the prompt's chunks are then stored on
@@ -79,6 +80,8 @@ class EngineModel:
 class StubBackend:
     ttft_s: float = 0.0
     token_s: float = 0.0
+    token_s_per_stream: float = 0.0
+    """Streams: each other stream in progress makes a step this much longer."""
     tokens: int = 4
     api_key: str | None = None
     engine: EngineModel | None = None
@@ -92,6 +95,7 @@ class StubBackend:
     seen: list[dict[str, Any]] = field(default_factory=list)
     health_headers: list[dict[str, str]] = field(default_factory=list)
     running: int = 0
+    streaming: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
     _port: int = 0
@@ -183,12 +187,17 @@ class StubBackend:
         await resp.prepare(request)
         if self.hang_first_byte:
             await asyncio.sleep(3600)
-        for i in range(self.tokens):
-            if i:
-                await asyncio.sleep(self.token_s)
-            chunk = {"id": "cmpl-stub", "choices": [{"index": 0, "text": f" w{i}"}],
-                     "served_by": self.url}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.streaming += 1
+        try:
+            for i in range(self.tokens):
+                if i:
+                    await asyncio.sleep(self.token_s
+                                        + self.token_s_per_stream * (self.streaming - 1))
+                chunk = {"id": "cmpl-stub", "choices": [{"index": 0, "text": f" w{i}"}],
+                         "served_by": self.url}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        finally:
+            self.streaming -= 1
         if self.stream_details:
             last = {"id": "cmpl-stub", "choices": [], "kv_transfer_params": {
                 "kvtier": {"tokens": {"arena": 16, "recomputed": 4}}, "other": 1}}

@@ -110,9 +110,13 @@ def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
 
 
 async def staggered(tmp_path: Path, shared: bool, speed: float,
-                    weight: float = CostModel.decode_weight) -> dict[str, int]:
-    """Streams sharing PREFIX sent 150 ms apart, each decoding ~0.4 s: when one is routed
-    the earlier ones are decoding (no longer in any prefill queue)."""
+                    weight: float = CostModel.decode_weight,
+                    per_stream_s: float = 0.03) -> tuple[dict[str, int], list[float | None]]:
+    """Streams sharing PREFIX sent 150 ms apart, each decoding 8 steps of 0.05 s plus
+    ``per_stream_s`` for each other stream on its backend: when one is routed the earlier
+    ones are decoding (no longer in any prefill queue). Before them, the backends' prefill
+    speed, decode time and step model are measured from cold streams, alone and in pairs.
+    Returns where the staggered ones went and each backend's measured slope."""
     nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
     try:
         engines = [EngineModel(n, chunk_tokens=CHUNK, speed=speed) for n in nodes]
@@ -121,6 +125,7 @@ async def staggered(tmp_path: Path, shared: bool, speed: float,
         async with stubs(2) as backends:
             for b, e in zip(backends, engines, strict=True):
                 b.engine, b.tokens, b.token_s = e, 9, 0.05
+                b.token_s_per_stream = per_stream_s
             servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
             cost = CostModel(lookup_timeout_s=2.0, decode_weight=weight)
             async with running_router(router_config(
@@ -128,8 +133,17 @@ async def staggered(tmp_path: Path, shared: bool, speed: float,
                     aiohttp.ClientSession() as s:
                 await asyncio.sleep(0.3)
                 url = f"http://127.0.0.1:{router.port}/v1/completions"
-                for i in range(2):  # the backends' prefill speed and decode time, measured
-                    await post(s, url, completion([7000 + i] * CHUNK * 20, stream=True))
+                cold = iter(range(7000, 8000))
+                for length, together in ((20, 1), (20, 1), (4, 6)):
+                    # long ones alone (prefill speed), then short ones with longer answers
+                    # three on each backend (decoding together)
+                    for b in backends:
+                        b.tokens = 9 if together == 1 else 20
+                    await asyncio.gather(*(post(s, url, completion(
+                        [next(cold)] * CHUNK * length, stream=True)) for _ in range(together)))
+                for b in backends:
+                    b.tokens = 9
+                slopes = [b.load.steps.slope_s() for b in router.pool]
                 _, _, h = await post(s, url, completion(PREFIX + [1] * CHUNK, stream=True))
                 warm = h["X-Kvtier-Backend"]
                 other = next(i for i, b in enumerate(backends) if b.url != warm)
@@ -147,23 +161,28 @@ async def staggered(tmp_path: Path, shared: bool, speed: float,
                     return str(headers["X-Kvtier-Backend"])
 
                 went = await asyncio.gather(*(later(i) for i in range(6)))
-                return {"warm": went.count(warm), "other": len(went) - went.count(warm)}
+                return {"warm": went.count(warm), "other": len(went) - went.count(warm)}, slopes
     finally:
         for n in nodes:
             n.stop()
 
 
-def test_requests_decoding_count_against_a_backend_when_others_can_load_fast(
-        tmp_path: Path) -> None:
-    """With ``--decode-weight 0.5`` and a shared tier, the backend holding the prefix in its
-    arena saves only a fast load: the requests decoding there make the other sooner. Without
-    one, recomputing the prefix elsewhere (2.2 s here) costs more than sharing steps with a
-    few streams. By default (weight 0) the holder keeps them: only prefill queues count."""
-    spread = asyncio.run(staggered(tmp_path / "shared", shared=True, speed=300, weight=0.5))
-    kept = asyncio.run(staggered(tmp_path / "local", shared=False, speed=300, weight=0.5))
-    default = asyncio.run(staggered(tmp_path / "default", shared=True, speed=300))
-    print(f"\nweight 0.5, shared tier: {spread}; node-local tiers: {kept}; "
-          f"default, shared tier: {default}")
+def test_streams_decoding_count_against_a_backend_as_measured(tmp_path: Path) -> None:
+    """Each stream on a stub backend makes the others' steps 30 ms longer; the router
+    measures that from the streams' chunks. With a shared tier the backend holding the prefix
+    in its arena saves only a fast load: the streams decoding there make the other sooner.
+    Without one, recomputing the prefix elsewhere (2.2 s here) costs more than sharing steps
+    with a few streams. At weight 0 only prefill queues count: the holder keeps them all.
+    Where streams do not slow each other the slope measured is about 0."""
+    spread, slopes = asyncio.run(staggered(tmp_path / "shared", shared=True, speed=300))
+    kept, _ = asyncio.run(staggered(tmp_path / "local", shared=False, speed=300))
+    off, _ = asyncio.run(staggered(tmp_path / "off", shared=True, speed=300, weight=0.0))
+    flat, flat_slopes = asyncio.run(staggered(tmp_path / "flat", shared=True, speed=300,
+                                              per_stream_s=0.0))
+    print(f"\nmeasured slopes {slopes} (flat steps: {flat_slopes}); shared tier: {spread}; "
+          f"node-local tiers: {kept}; weight 0: {off}; steps that do not grow: {flat}")
+    assert all(x is not None and 0.015 < x < 0.045 for x in slopes), slopes
+    assert all(x is not None and x < 0.01 for x in flat_slopes), flat_slopes
     assert spread["other"] >= 2, spread
     assert kept["warm"] >= 5, kept
-    assert default["warm"] >= 5, default
+    assert off["warm"] >= 5, off

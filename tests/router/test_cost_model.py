@@ -13,7 +13,7 @@ from kvtier.keys import ChunkKey
 from kvtier.router.config import RouterConfig
 from kvtier.router.cost import Holding, estimate
 from kvtier.router.history import DeviceHistory
-from kvtier.router.load import BackendLoad
+from kvtier.router.load import BackendLoad, StepModel
 from kvtier.router.ring import HashRing
 from kvtier.router.scrape import engine_gauges
 
@@ -108,7 +108,7 @@ def test_the_decode_weight_is_a_finite_share() -> None:
 
     assert config("0").cost.decode_weight == 0.0
     assert RouterConfig.from_args(parser.parse_args(
-        ["route", "--backends", "http://a:1"])).cost.decode_weight == 0.0, "off by default"
+        ["route", "--backends", "http://a:1"])).cost.decode_weight == 1.0, "as measured"
     assert config("0.25").cost.decode_weight == 0.25
     for bad in ("-0.1", "nan", "inf", "1e9"):
         with pytest.raises(ConfigError, match="--decode-weight: must be between 0 and 100"):
@@ -125,3 +125,65 @@ def test_a_backend_learns_how_long_its_requests_decode() -> None:
     load.decode_s.add(0.4)
     load.decode_s.add(0.2)
     assert abs(load.decode_s.value - 0.3) < 1e-9
+
+
+def test_the_step_model_is_the_slope_of_step_time_over_streams() -> None:
+    steps = StepModel(alpha=0.5)
+    assert steps.slope_s() is None, "nothing measured"
+    for _ in range(3):
+        steps.add(1, 0.004)
+    assert steps.slope_s() is None, "one count says nothing about the next stream"
+    steps.add(2, 0.006)
+    steps.add(3, 0.008)
+    slope = steps.slope_s()
+    assert slope is not None and abs(slope - 0.002) < 1e-9
+    steps.add(3.4, 0.0088)  # on the line, kept with 3 (its mean streams move)
+    assert steps.points[3] == pytest.approx((3.2, 0.0084))
+    assert steps.slope_s() == pytest.approx(0.002)
+    for streams, step in ((0, 0.5), (-3, 0.5), (2, 0.0), (2, -1.0), (2, float("nan")),
+                          (float("nan"), 0.5)):
+        steps.add(streams, step)  # nonsense from a broken clock or count: dropped
+    assert set(steps.points) == {1, 2, 3}
+    steps.add(10_000, 0.5)
+    assert max(steps.points) == StepModel.MAX_STREAMS, "a huge count is the largest kept"
+
+
+def test_a_step_time_that_falls_with_more_streams_counts_no_crowding() -> None:
+    steps = StepModel(alpha=1.0)
+    steps.add(1, 0.010)
+    steps.add(4, 0.008)
+    assert steps.slope_s() == 0.0
+    close = StepModel(alpha=1.0)
+    close.add(1.0, 0.010)
+    close.add(1.4, 0.030)
+    assert close.slope_s() is None, "samples a fraction of a stream apart: no slope yet"
+
+
+def test_a_flight_knows_how_many_streams_decoded_beside_it() -> None:
+    load = BackendLoad(5000.0, 1.0)
+    a, b = load.start(0.1, now=0.0), load.start(0.1, now=0.0)
+    load.first_byte(a, now=1.0)
+    assert load.decoding == 1
+    load.first_byte(b, now=2.0)
+    assert load.decoding == 2
+    load.observe(running=4, waiting=0, now=3.0)  # a, b and two the router did not send
+    assert load.others == 2 and load.decoding == 4
+    done = load.finish(a, now=5.0)
+    # a decoded 1 s alone, 1 s beside b, 2 s beside b and the two others
+    assert done is not None and done.mean_decoding == pytest.approx((1 + 2 + 8) / 4)
+    late = load.start(0.1, now=5.0)
+    assert load.finish(late, now=6.0).mean_decoding is None, "never streamed a byte"
+
+
+def test_crowding_is_what_the_streams_beside_a_newcomer_cost_it_and_it_them() -> None:
+    load = BackendLoad(5000.0, 1.0)
+    load.start(0.1, now=0.0)
+    assert load.crowding_s() == 0.0, "nothing measured yet: not counted"
+    load.observe(running=3, waiting=0)  # one of the router's and two it did not send
+    assert load.others == 2
+    load.itl_s.add(0.010)
+    load.decode_s.add(0.32)  # 32 steps an answer
+    load.steps.add(1, 0.004)
+    load.steps.add(3, 0.008)  # 2 ms a stream
+    # 3 streams beside it: 1.5 x 3 x 0.002 s x 32 steps
+    assert load.crowding_s() == pytest.approx(0.288)

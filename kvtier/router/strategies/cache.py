@@ -65,11 +65,9 @@ class CacheAware(Strategy):
         return Decision(backend, reason, pred, keys)
 
     def _crowd_s(self, backend: Backend) -> float:
-        """What the router's requests on ``backend`` cost a newcomer there beyond its prefill
-        queue: each decodes (or will, once prefilled) beside it, sharing the backend's steps
-        (``decode_weight`` of a request's measured decode time, each)."""
-        load = backend.load
-        return self.ctx.config.cost.decode_weight * load.decode_s.value * load.in_flight
+        """What the streams on ``backend`` cost a newcomer there beyond its prefill queue:
+        ``decode_weight`` of the measured crowding (:meth:`BackendLoad.crowding_s`)."""
+        return self.ctx.config.cost.decode_weight * backend.load.crowding_s()
 
     @staticmethod
     def _reason(winner: Backend, scored: Sequence[tuple[tuple[float, int, int], Backend,
