@@ -46,7 +46,8 @@ def held_by(server: NodeServer, tokens: list[int]) -> list[str]:
         return list(client.lookup(chunk_keys(NS, tokens, CHUNK)))
 
 
-async def burst(tmp_path: Path, shared: bool) -> tuple[dict[str, int], Any, list[str]]:
+async def burst(tmp_path: Path, shared: bool, stay_margin_s: float = 0.0
+                ) -> tuple[dict[str, int], Any, list[str]]:
     nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
     try:
         engines = [EngineModel(n, chunk_tokens=CHUNK, speed=4000) for n in nodes]
@@ -58,7 +59,7 @@ async def burst(tmp_path: Path, shared: bool) -> tuple[dict[str, int], Any, list
             servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
             # everything shares this process's GIL here: give lookups more than the
             # default 0.1 s, so a burst measures the strategy, not the test's contention
-            cost = CostModel(lookup_timeout_s=2.0)
+            cost = CostModel(lookup_timeout_s=2.0, stay_margin_s=stay_margin_s)
             async with running_router(router_config(
                     backends, strategy="cache", kvtier_servers=servers, cost=cost)) as router, \
                     aiohttp.ClientSession() as s:
@@ -109,8 +110,18 @@ def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
     assert shared_hits and shared_hits >= 1, "the other instance loaded from the shared tier"
 
 
-async def staggered(tmp_path: Path, shared: bool, speed: float,
-                    weight: float = CostModel.decode_weight,
+def test_a_stay_margin_keeps_a_prompt_where_its_arena_holds_it(tmp_path: Path) -> None:
+    """With a shared tier the other backend could load the prefix, and its empty queue would
+    start it sooner; a stay margin longer than the whole burst's queue keeps every request
+    on the backend whose arena holds it, one shorter than one prefill moves them as before."""
+    kept, _, _ = asyncio.run(burst(tmp_path / "kept", shared=True, stay_margin_s=60.0))
+    moved, _, _ = asyncio.run(burst(tmp_path / "moved", shared=True, stay_margin_s=0.001))
+    print(f"\nshared tier, stay margin 60 s: {kept}; 1 ms: {moved}")
+    assert kept == {"warm": BURST, "other": 0}, kept
+    assert moved["other"] >= BURST // 4, moved
+
+
+async def staggered(tmp_path: Path, shared: bool, speed: float, weight: float = 1.0,
                     per_stream_s: float = 0.03) -> tuple[dict[str, int], list[float | None]]:
     """Streams sharing PREFIX sent 150 ms apart, each decoding 8 steps of 0.05 s plus
     ``per_stream_s`` for each other stream on its backend: when one is routed the earlier
@@ -144,6 +155,11 @@ async def staggered(tmp_path: Path, shared: bool, speed: float,
                 for b in backends:
                     b.tokens = 9
                 slopes = [b.load.steps.slope_s() for b in router.pool]
+                async with s.get(f"http://127.0.0.1:{router.port}/metrics") as resp:
+                    shown = await resp.text()
+                for b, slope in zip(router.pool, slopes, strict=True):
+                    line = f'kvtier_router_decode_step_seconds_per_stream{{backend="{b.name}"}}'
+                    assert (line in shown) == (slope is not None), "the router shows its slope"
                 _, _, h = await post(s, url, completion(PREFIX + [1] * CHUNK, stream=True))
                 warm = h["X-Kvtier-Backend"]
                 other = next(i for i, b in enumerate(backends) if b.url != warm)
@@ -172,11 +188,13 @@ def test_streams_decoding_count_against_a_backend_as_measured(tmp_path: Path) ->
     measures that from the streams' chunks. With a shared tier the backend holding the prefix
     in its arena saves only a fast load: the streams decoding there make the other sooner.
     Without one, recomputing the prefix elsewhere (2.2 s here) costs more than sharing steps
-    with a few streams. At weight 0 only prefill queues count: the holder keeps them all.
+    with a few streams (all at ``--decode-weight 1``: as measured). At weight 0 (the
+    default) only prefill queues count: the holder keeps them all.
     Where streams do not slow each other the slope measured is about 0."""
     spread, slopes = asyncio.run(staggered(tmp_path / "shared", shared=True, speed=300))
     kept, _ = asyncio.run(staggered(tmp_path / "local", shared=False, speed=300))
-    off, _ = asyncio.run(staggered(tmp_path / "off", shared=True, speed=300, weight=0.0))
+    off, _ = asyncio.run(staggered(tmp_path / "off", shared=True, speed=300,
+                                   weight=CostModel.decode_weight))
     flat, flat_slopes = asyncio.run(staggered(tmp_path / "flat", shared=True, speed=300,
                                               per_stream_s=0.0))
     print(f"\nmeasured slopes {slopes} (flat steps: {flat_slopes}); shared tier: {spread}; "

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Sequence
 
 from kvtier.router.backends import Backend
-from kvtier.router.cost import DEVICE, Holding, Prediction, estimate
+from kvtier.router.cost import ARENA, DEVICE, Holding, Prediction, estimate
 from kvtier.router.keys import PromptKeys
 from kvtier.router.lookup import NOTHING, Answer
 from kvtier.router.request import RoutedRequest
@@ -55,6 +55,10 @@ class CacheAware(Strategy):
                     (i - turn) % len(candidates))
             scored.append((rank, backend, pred, keys))
         _, backend, pred, keys = min(scored, key=lambda s: s[0])
+        home = self._home(scored)
+        if home is not None and home[1] is not backend and \
+                home[0][0] <= min(s[0][0] for s in scored) + self.ctx.config.cost.stay_margin_s:
+            _, backend, pred, keys = home
         reason = self._reason(backend, scored)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("cache: %s (%s) among %s", backend.name, reason, "; ".join(
@@ -63,6 +67,17 @@ class CacheAware(Strategy):
                 f"flights {b.load.in_flight} "
                 f"speed {b.load.speed.value:.0f}" for _, b, p, _ in scored))
         return Decision(backend, reason, pred, keys)
+
+    @staticmethod
+    def _home(scored: Sequence[tuple[tuple[float, int, int], Backend, Prediction,
+                                     PromptKeys | None]]
+              ) -> tuple[tuple[float, int, int], Backend, Prediction, PromptKeys | None] | None:
+        """Where the prompt lives: the candidate whose device cache and arena would give
+        most of it (no load from a slower tier), if any holds some there."""
+        def local(p: Prediction) -> int:
+            return p.sources.get(DEVICE, 0) + p.sources.get(ARENA, 0)
+        best = max(scored, key=lambda s: (local(s[2]), -s[0][0]))
+        return best if local(best[2]) > 0 else None
 
     def _crowd_s(self, backend: Backend) -> float:
         """What the streams on ``backend`` cost a newcomer there beyond its prefill queue:
