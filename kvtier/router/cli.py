@@ -77,10 +77,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "answers) counts in a newcomer's score there; 1: as measured, 0: only "
                    "prefill queues count (default: %(default)s: counting it cost throughput "
                    "in every sharing setup measured; docs/router.md)")
-    p.add_argument("--stay-margin-s", type=float, default=CostModel.stay_margin_s,
-                   help="cache strategy: a prompt stays on the backend whose device cache or "
-                   "arena holds most of it unless another's estimated TTFT is sooner by more "
-                   "than this (default: %(default)s; docs/router.md)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
     p.add_argument("--parts-file", metavar="FILE",

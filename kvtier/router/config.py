@@ -33,9 +33,6 @@ class CostModel:
     """vLLM's device cache size in tokens when the backend's /metrics does not say."""
     lookup_timeout_s: float = 0.1
     """A node server that has not answered a lookup by then counts as holding nothing."""
-    stay_margin_s: float = 0.0
-    """A prompt stays on the backend whose device cache or arena holds most of it unless
-    another's estimate is sooner by more than this (0: the soonest wins; docs/router.md)."""
     decode_weight: float = 0.0
     """How much of a backend's measured crowding counts in a newcomer's score there: what
     the streams decoding beside it cost it, and it them (:meth:`BackendLoad.crowding_s`;
@@ -107,8 +104,7 @@ class RouterConfig:
             prefill_tokens_per_s=_positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s"),
             device_ttl_s=_positive(args.device_ttl_s, "--device-ttl-s"),
             lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"),
-            decode_weight=_weight(args.decode_weight, "--decode-weight"),
-            stay_margin_s=_seconds(args.stay_margin_s, "--stay-margin-s"))
+            decode_weight=_weight(args.decode_weight, "--decode-weight"))
         api_key = read_key(args.api_key_env, args.api_key_file, "--api-key")
         return cls(
             backends=backends, kvtier_servers=servers, strategy=args.strategy,
@@ -185,12 +181,6 @@ def _positive(value: float, option: str) -> float:
 def _weight(value: float, option: str) -> float:
     if not 0 <= value <= 100:  # NaN and infinity too
         raise ConfigError(f"{option}: must be between 0 and 100, got {value}")
-    return float(value)
-
-
-def _seconds(value: float, option: str) -> float:
-    if not 0 <= value <= 3600:  # NaN and infinity too
-        raise ConfigError(f"{option}: must be between 0 and 3600 seconds, got {value}")
     return float(value)
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEVICE = "device"
-ARENA = "arena"
-"""The node server's host-RAM arena, as lookups name it."""
 RECOMPUTED = "recomputed"
 
 

@@ -187,17 +187,3 @@ def test_crowding_is_what_the_streams_beside_a_newcomer_cost_it_and_it_them() ->
     load.steps.add(3, 0.008)  # 2 ms a stream
     # 3 streams beside it: 1.5 x 3 x 0.002 s x 32 steps
     assert load.crowding_s() == pytest.approx(0.288)
-
-
-def test_the_stay_margin_is_seconds_within_bounds() -> None:
-    parser = build_parser()
-
-    def config(*extra: str) -> RouterConfig:
-        return RouterConfig.from_args(parser.parse_args(
-            ["route", "--backends", "http://a:1", *extra]))
-
-    assert config().cost.stay_margin_s == 0.0
-    assert config("--stay-margin-s", "0.25").cost.stay_margin_s == 0.25
-    for bad in ("-1", "nan", "inf", "1e9"):
-        with pytest.raises(ConfigError, match="--stay-margin-s: must be between 0 and 3600"):
-            config("--stay-margin-s", bad)

@@ -4,14 +4,13 @@ For each candidate: the prompt's keys in its namespace, what its device cache sh
 (the router's history), what its node server holds and when it could be in the arena (one
 lookup per node server, all in parallel, bounded by ``lookup_timeout_s``), its queue and its
 measured prefill speed; :func:`kvtier.router.cost.estimate` turns them into a TTFT. To that
-each of the router's requests on the candidate adds ``decode_weight`` of a request's measured
-decode time there (it decodes, or will once prefilled, beside the newcomer, sharing steps):
-the higher it is, the more the least crowded backend wins over the one holding the prompt.
-Its default, 0, counts only the prefill queue: on a fleet with a shared tier a weight of 0.5
-moved half the conversations off the instance holding them, each move a load from the shared
-tier before its prefill, and their first tokens came later than when each stayed put
-(docs/router.md). The minimum wins; ties go to the backend with fewer requests in flight,
-then round robin.
+``decode_weight`` adds the candidate's measured crowding (what the streams decoding there
+would cost the newcomer, and it them: :meth:`kvtier.router.load.BackendLoad.crowding_s`): the
+higher it is, the more the least crowded backend wins over the one holding the prompt. Its
+default, 0, counts only the prefill queue: counting the crowding moved conversations off the
+instance holding them, each move a load or a recompute there, and cost throughput in every
+sharing setup measured (docs/router.md). The minimum wins; ties go to the backend with fewer
+requests in flight, then round robin.
 
 Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
 queue: its cache won), ``load`` (another backend would be, but its queue made this one
@@ -25,7 +24,7 @@ import logging
 from collections.abc import Sequence
 
 from kvtier.router.backends import Backend
-from kvtier.router.cost import ARENA, DEVICE, Holding, Prediction, estimate
+from kvtier.router.cost import DEVICE, Holding, Prediction, estimate
 from kvtier.router.keys import PromptKeys
 from kvtier.router.lookup import NOTHING, Answer
 from kvtier.router.request import RoutedRequest
@@ -55,10 +54,6 @@ class CacheAware(Strategy):
                     (i - turn) % len(candidates))
             scored.append((rank, backend, pred, keys))
         _, backend, pred, keys = min(scored, key=lambda s: s[0])
-        home = self._home(scored)
-        if home is not None and home[1] is not backend and \
-                home[0][0] <= min(s[0][0] for s in scored) + self.ctx.config.cost.stay_margin_s:
-            _, backend, pred, keys = home
         reason = self._reason(backend, scored)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("cache: %s (%s) among %s", backend.name, reason, "; ".join(
@@ -67,17 +62,6 @@ class CacheAware(Strategy):
                 f"flights {b.load.in_flight} "
                 f"speed {b.load.speed.value:.0f}" for _, b, p, _ in scored))
         return Decision(backend, reason, pred, keys)
-
-    @staticmethod
-    def _home(scored: Sequence[tuple[tuple[float, int, int], Backend, Prediction,
-                                     PromptKeys | None]]
-              ) -> tuple[tuple[float, int, int], Backend, Prediction, PromptKeys | None] | None:
-        """Where the prompt lives: the candidate whose device cache and arena would give
-        most of it (no load from a slower tier), if any holds some there."""
-        def local(p: Prediction) -> int:
-            return p.sources.get(DEVICE, 0) + p.sources.get(ARENA, 0)
-        best = max(scored, key=lambda s: (local(s[2]), -s[0][0]))
-        return best if local(best[2]) > 0 else None
 
     def _crowd_s(self, backend: Backend) -> float:
         """What the streams on ``backend`` cost a newcomer there beyond its prefill queue:
