@@ -156,6 +156,8 @@ def command(args: argparse.Namespace) -> str:
                   str(args.long_history_prompt)]
     if args.dataset != "synthetic":
         flags += ["--dataset", args.dataset]
+    if args.user_order != "fixed":
+        flags += ["--user-order", args.user_order]
     if args.lmcache_l1_gb is not None:
         flags += ["--lmcache-l1-gb", str(args.lmcache_l1_gb)]
     if args.served_model_name != DEMO_NAME:

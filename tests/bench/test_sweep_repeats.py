@@ -104,7 +104,8 @@ def test_the_json_keeps_every_run_and_each_points_median_and_range(tmp_path: Pat
                                                                     fake: Fake) -> None:
     fake.figures = {("fake-a", 2, 1): 900.0, ("fake-a", 2, 2): 1300.0,
                     ("fake-a", 2, 3): 1000.0}
-    assert sweep(tmp_path, "--configs", "fake-a", "--users", "2", "--repeat", "3") == 0
+    assert sweep(tmp_path, "--configs", "fake-a", "--users", "2", "--repeat", "3",
+                 "--user-order", "shuffled") == 0
     doc = load(tmp_path)
     assert doc["version"] == 2
     (point,) = doc["configs"]["fake-a"]["points"]
@@ -119,6 +120,7 @@ def test_the_json_keeps_every_run_and_each_points_median_and_range(tmp_path: Pat
     (inv,) = doc["invocations"]
     assert {r["invocation"] for r in point["runs"]} == {0}
     assert "--repeat 3" in inv["command"] and inv["command"] == doc["command"]
+    assert "--user-order shuffled" in inv["command"], "the command says what was run"
     assert isinstance(inv["argv"], list) and inv["kvtier_version"]
     assert inv["commit"] == provenance()["commit"]
 
