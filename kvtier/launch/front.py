@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,9 +105,6 @@ def check_router_args(kind: str, policy: str, extra: Sequence[str]) -> None:
             raise ConfigError(f"--router-arg {arg}: the stack sets {flag} itself; give the "
                               "stack's own options (--port, --router-policy, ...) instead")
     if kind == "kvtier":
-        import contextlib
-        import io
-
         from kvtier.cli import build_parser
         from kvtier.router.config import RouterConfig
 

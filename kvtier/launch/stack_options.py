@@ -136,7 +136,7 @@ class StackOptions:
             raise ConfigError("give --shared or --shared-local, not both")
         policy = args.router_policy or DEFAULT_POLICY[args.router]
         check_router(args.router, policy)
-        router_args = tuple(getattr(args, "router_arg", None) or ())
+        router_args = tuple(args.router_arg)
         check_router_args(args.router, policy, router_args)
         vllm_router = _vllm_router(args)
         vllm_args = list(args.vllm_args)
