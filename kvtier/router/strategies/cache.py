@@ -65,8 +65,10 @@ class CacheAware(Strategy):
 
     def _crowd_s(self, backend: Backend) -> float:
         """What the streams on ``backend`` cost a newcomer there beyond its prefill queue:
-        ``decode_weight`` of the measured crowding (:meth:`BackendLoad.crowding_s`)."""
-        return self.ctx.config.cost.decode_weight * backend.load.crowding_s()
+        ``decode_weight`` of the measured crowding (:meth:`BackendLoad.crowding_s`); at the
+        default weight, 0, the slope is not fitted on every decision."""
+        weight = self.ctx.config.cost.decode_weight
+        return weight * backend.load.crowding_s() if weight else 0.0
 
     @staticmethod
     def _reason(winner: Backend, scored: Sequence[tuple[tuple[float, int, int], Backend,
