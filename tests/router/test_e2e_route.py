@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from kvtier.demo.model import corpus_text
+from kvtier.prom import samples
 from kvtier.router.keys import NamespaceInfo, Renderers, RequestKeys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -192,10 +193,10 @@ def held(inst: Instance, keys: list[str]) -> list[str]:
     return list(doc["tiers"])
 
 
-def others(metrics: str, prefix: str) -> float:
-    """The value of the router's ``kvtier_router_backend_others`` line starting ``prefix``."""
-    line = next((ln for ln in metrics.splitlines() if ln.startswith(prefix)), prefix + "0")
-    return float(line[len(prefix):])
+def others(metrics: str, backend: str) -> float:
+    """The router's ``kvtier_router_backend_others`` for ``backend`` (0 before it has one)."""
+    return next((s.value for s in samples(metrics, ("kvtier_router_backend_others",))
+                 if s.labels.get("backend") == backend), 0.0)
 
 
 def by_url(instances: list[Instance], url: str) -> Instance:
@@ -254,9 +255,8 @@ def test_a_prompt_sent_twice_lands_on_both_and_the_second_loads_the_shared_tier(
     try:
         # the router reads x's queue from its /metrics each health round: wait until it has
         # (a fixed sleep raced the poll, and on a fast machine the prompts themselves)
-        seen = f'kvtier_router_backend_others{{backend="{x.url}"}} '
         deadline = time.monotonic() + 60
-        while others(call(f"{url}/metrics")[1], seen) < 2:
+        while others(call(f"{url}/metrics")[1], x.url) < 2:
             assert busy.poll() is None and time.monotonic() < deadline, \
                 "the router never saw x's queue"
             time.sleep(0.1)
