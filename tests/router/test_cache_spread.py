@@ -114,7 +114,8 @@ async def staggered(tmp_path: Path, shared: bool, speed: float, weight: float = 
     """Streams sharing PREFIX sent 150 ms apart, each decoding 8 steps of 0.05 s plus
     ``per_stream_s`` for each other stream on its backend: when one is routed the earlier
     ones are decoding (no longer in any prefill queue). Before them, the backends' prefill
-    speed, decode time and step model are measured from cold streams, alone and in pairs.
+    speed, decode time and step model are measured from cold streams, alone and three on
+    each backend.
     Returns where the staggered ones went and each backend's measured slope."""
     nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
     try:
