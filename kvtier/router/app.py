@@ -188,9 +188,9 @@ class Router:
         for b in self.pool:
             self.metrics.speed.labels(b.name).set(b.load.speed.value)
             self.metrics.others.labels(b.name).set(b.load.others)
-            slope = b.load.steps.slope_s()
-            if slope is not None:
-                self.metrics.step_slope.labels(b.name).set(slope)
+        slope = self.pool.steps.slope_s()
+        if slope is not None:
+            self.metrics.step_slope.set(slope)
         body = generate_latest(self.metrics.registry)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST

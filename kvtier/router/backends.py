@@ -15,7 +15,7 @@ from typing import Any
 
 from kvtier.router.config import RouterConfig
 from kvtier.router.keys import NamespaceInfo, pick_namespace
-from kvtier.router.load import BackendLoad
+from kvtier.router.load import BackendLoad, StepModel
 from kvtier.router.redact import redact_url
 
 log = logging.getLogger("kvtier.router")
@@ -50,8 +50,12 @@ class Backend:
 class BackendPool:
     def __init__(self, config: RouterConfig) -> None:
         cost = config.cost
+        self.steps = StepModel(cost.speed_alpha)
+        """Decode step time against streams, of every backend's answers (one model: see
+        :mod:`kvtier.router.load`)."""
         self.backends = [
-            Backend(i, url, node, BackendLoad(cost.prefill_tokens_per_s, cost.speed_alpha))
+            Backend(i, url, node, BackendLoad(cost.prefill_tokens_per_s, cost.speed_alpha,
+                                              self.steps))
             for i, (url, node) in enumerate(zip(config.backends, config.kvtier_servers,
                                                 strict=True))]
         self.listeners: list[Any] = []

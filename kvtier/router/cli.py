@@ -75,8 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cache strategy: how much of a backend's measured crowding (how much "
                    "each stream decoding there slows the others' steps, from streamed "
                    "answers) counts in a newcomer's score there; 1: as measured, 0: only "
-                   "prefill queues count (default: %(default)s: counting it cost throughput "
-                   "in every sharing setup measured; docs/router.md)")
+                   "prefill queues count (default: %(default)s; docs/router.md)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
     p.add_argument("--parts-file", metavar="FILE",

@@ -33,11 +33,10 @@ class CostModel:
     """vLLM's device cache size in tokens when the backend's /metrics does not say."""
     lookup_timeout_s: float = 0.1
     """A node server that has not answered a lookup by then counts as holding nothing."""
-    decode_weight: float = 0.0
+    decode_weight: float = 1.0
     """How much of a backend's measured crowding counts in a newcomer's score there: what
     the streams decoding beside it cost it, and it them (:meth:`BackendLoad.crowding_s`;
-    1: as measured; 0, the default: not counted — counting it cost throughput in every
-    sharing setup measured, docs/router.md)."""
+    1, the default: as measured; 0: only prefill queues count; docs/router.md)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,11 @@ steps. How much each stream adds to a step is measured, not assumed: each stream
 a sample of the time between its chunks against the streams decoding beside it (their count
 averaged over its time from first byte to end), kept per count (:class:`StepModel`); the
 slope of step time over count is the seconds one more stream adds to every step. The ``cache``
-strategy turns it into a crowding cost (:meth:`BackendLoad.crowding_s`).
+strategy turns it into a crowding cost (:meth:`BackendLoad.crowding_s`). A router's backends
+share one step model: the instances behind one router run one model on like hardware, and a
+fit per backend, each on its own few samples, differed by its noise (one backend's slope
+still unknown, 0 crowding, while the other's was measured) and sent every request to the
+backend whose crowding was not yet counted.
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ class StepModel:
 
 
 class BackendLoad:
-    def __init__(self, prefill_tokens_per_s: float, alpha: float) -> None:
+    def __init__(self, prefill_tokens_per_s: float, alpha: float,
+                 steps: StepModel | None = None) -> None:
         self._flights: dict[int, Flight] = {}
         self._ids = itertools.count()
         self.others = 0
@@ -112,8 +117,9 @@ class BackendLoad:
         self.decode_s = Ema(0.0, alpha)
         """Seconds from a streamed answer's first byte to its last: how long a request
         decodes on this backend (0 until a stream has been seen)."""
-        self.steps = StepModel(alpha)
-        """Time between streamed chunks against the streams decoding together."""
+        self.steps = StepModel(alpha) if steps is None else steps
+        """Time between streamed chunks against the streams decoding together; one model
+        shared by a pool's backends (:class:`kvtier.router.backends.BackendPool`)."""
         self._area = 0.0
         """Streams decoding here, integrated over time (to :attr:`_area_at`)."""
         self._area_at: float | None = None

@@ -60,9 +60,9 @@ class RouterMetrics:
                             "health round; the cache strategy counts them in its wait)",
                             ["backend"], registry=r)
         self.step_slope = Gauge("kvtier_router_decode_step_seconds_per_stream", "How much "
-                                "each stream decoding on the backend lengthens every decode "
-                                "step, as measured from streamed answers (cache strategy; "
-                                "absent until measured)", ["backend"], registry=r)
+                                "each stream decoding on a backend lengthens every decode "
+                                "step, as measured from streamed answers on all backends "
+                                "(cache strategy; 0 until measured)", registry=r)
         self.speed = Gauge("kvtier_router_prefill_tokens_per_second", "The backend's "
                            "measured prefill speed (cache strategy)", ["backend"], registry=r)
         self.predicted_tokens = Counter("kvtier_router_predicted_tokens", "Prompt tokens by "

@@ -10,6 +10,7 @@ import pytest
 from kvtier.cli import build_parser
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
+from kvtier.router.backends import BackendPool
 from kvtier.router.config import RouterConfig
 from kvtier.router.cost import Holding, estimate
 from kvtier.router.history import DeviceHistory
@@ -108,7 +109,7 @@ def test_the_decode_weight_is_a_finite_share() -> None:
 
     assert config("0").cost.decode_weight == 0.0
     assert RouterConfig.from_args(parser.parse_args(
-        ["route", "--backends", "http://a:1"])).cost.decode_weight == 0.0, "off by default"
+        ["route", "--backends", "http://a:1"])).cost.decode_weight == 1.0, "as measured"
     assert config("0.25").cost.decode_weight == 0.25
     for bad in ("-0.1", "nan", "inf", "1e9"):
         with pytest.raises(ConfigError, match="--decode-weight: must be between 0 and 100"):
@@ -187,3 +188,23 @@ def test_crowding_is_what_the_streams_beside_a_newcomer_cost_it_and_it_them() ->
     load.steps.add(3, 0.008)  # 2 ms a stream
     # 3 streams beside it: 1.5 x 3 x 0.002 s x 32 steps
     assert load.crowding_s() == pytest.approx(0.288)
+
+
+def test_a_pool_measures_one_step_model_for_all_its_backends() -> None:
+    """Samples from either backend fit one slope: a backend whose own answers have not
+    spread over counts yet still has its streams counted (a fit per backend left one at
+    0 crowding while the other's was measured, and drew every request)."""
+    pool = BackendPool(RouterConfig(("http://a:1", "http://b:1"), (None, None)))
+    a, b = (backend.load for backend in pool)
+    assert a.steps is b.steps is pool.steps
+    for load in (a, b):
+        load.itl_s.add(0.010)
+        load.decode_s.add(0.32)
+    a.steps.add(1, 0.004)
+    assert b.crowding_s() == 0.0, "one count: no slope yet"
+    b.steps.add(3, 0.008)
+    a.start(0.1, now=0.0)
+    b.start(0.1, now=0.0)
+    b.start(0.1, now=0.0)
+    assert a.crowding_s() == pytest.approx(1.5 * 1 * 0.002 * 32)
+    assert b.crowding_s() == pytest.approx(2 * a.crowding_s())

@@ -6,11 +6,10 @@ lookup per node server, all in parallel, bounded by ``lookup_timeout_s``), its q
 measured prefill speed; :func:`kvtier.router.cost.estimate` turns them into a TTFT. To that
 ``decode_weight`` adds the candidate's measured crowding (what the streams decoding there
 would cost the newcomer, and it them: :meth:`kvtier.router.load.BackendLoad.crowding_s`): the
-higher it is, the more the least crowded backend wins over the one holding the prompt. Its
-default, 0, counts only the prefill queue: counting the crowding moved conversations off the
-instance holding them, each move a load or a recompute there, and cost throughput in every
-sharing setup measured (docs/router.md). The minimum wins; ties go to the backend with fewer
-requests in flight, then round robin.
+higher it is, the more the least crowded backend wins over the one holding the prompt
+(default 1: as measured; 0 counts only the prefill queue, and a fast shared tier's few
+milliseconds of load then pile conversations onto one instance: docs/router.md). The minimum
+wins; ties go to the backend with fewer requests in flight, then round robin.
 
 Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
 queue: its cache won), ``load`` (another backend would be, but its queue made this one
@@ -65,8 +64,8 @@ class CacheAware(Strategy):
 
     def _crowd_s(self, backend: Backend) -> float:
         """What the streams on ``backend`` cost a newcomer there beyond its prefill queue:
-        ``decode_weight`` of the measured crowding (:meth:`BackendLoad.crowding_s`); at the
-        default weight, 0, the slope is not fitted on every decision."""
+        ``decode_weight`` of the measured crowding (:meth:`BackendLoad.crowding_s`); at
+        weight 0 the slope is not fitted on every decision."""
         weight = self.ctx.config.cost.decode_weight
         return weight * backend.load.crowding_s() if weight else 0.0
 
