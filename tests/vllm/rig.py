@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,14 +221,27 @@ class FakeEngine:
         assert params is not None, f"{req_id} was never admitted"
         return params["kvtier"]  # type: ignore[return-value]
 
-    def run(self, req_id: str, steps: int = 50) -> None:
-        """Step until ``req_id`` has computed its whole prompt."""
-        for _ in range(steps):
+    def run(self, req_id: str, steps: int = 50, load_timeout_s: float = 30.0) -> None:
+        """Step until ``req_id`` has computed its whole prompt: at most ``steps`` steps that
+        compute, and while its load is in flight (a worker thread and the server, in their
+        own time: a step here takes microseconds, so a busy machine could outlast any count
+        of them) steps 5 ms apart for up to ``load_timeout_s``."""
+        deadline = time.monotonic() + load_timeout_s
+        computing = 0
+        while True:
             req = self.reqs[req_id]
             if not req.loading and req.computed >= len(req.info.tokens):
                 return
+            if req.loading:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{req_id}'s load did not finish in "
+                                         f"{load_timeout_s} s")
+                time.sleep(0.005)
+            else:
+                computing += 1
+                if computing > steps:
+                    raise AssertionError(f"{req_id} did not finish in {steps} steps")
             self.step()
-        raise AssertionError(f"{req_id} did not finish in {steps} steps")
 
     # -------------------------------------------------------------- checks
 
