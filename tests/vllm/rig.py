@@ -221,11 +221,13 @@ class FakeEngine:
         assert params is not None, f"{req_id} was never admitted"
         return params["kvtier"]  # type: ignore[return-value]
 
-    def run(self, req_id: str, steps: int = 50, load_timeout_s: float = 30.0) -> None:
+    def run(self, req_id: str, steps: int = 50, load_timeout_s: float = 30.0,
+            between: Callable[[], None] | None = None) -> None:
         """Step until ``req_id`` has computed its whole prompt: at most ``steps`` steps that
         compute, and while its load is in flight (a worker thread and the server, in their
         own time: a step here takes microseconds, so a busy machine could outlast any count
-        of them) steps 5 ms apart for up to ``load_timeout_s``."""
+        of them) steps 5 ms apart for up to ``load_timeout_s``. ``between`` runs after each
+        step (e.g. a fake stream catching up)."""
         deadline = time.monotonic() + load_timeout_s
         computing = 0
         while True:
@@ -242,6 +244,8 @@ class FakeEngine:
                 if computing > steps:
                     raise AssertionError(f"{req_id} did not finish in {steps} steps")
             self.step()
+            if between is not None:
+                between()
 
     # -------------------------------------------------------------- checks
 

@@ -82,13 +82,7 @@ def reused_by_next_request(engine: FakeEngine, finished: str, tokens: list[int])
 
 def run_with_stream(engine: FakeEngine, stream: FakeStream, req_id: str) -> None:
     """Step until the request computed its prompt, the "GPU" catching up between steps."""
-    for _ in range(20):
-        req = engine.reqs[req_id]
-        if not req.loading and req.computed >= len(req.info.tokens):
-            return
-        engine.step()
-        stream.drain()
-    raise AssertionError(f"{req_id} did not finish")
+    engine.run(req_id, steps=20, between=stream.drain)
 
 
 def test_fake_stream_flush_waits_only_for_stores_whose_blocks_are_reused(
