@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from kvtier.router.segments import SegmentEncoder, unsafe_reason
 
@@ -48,6 +49,51 @@ class Unrenderable(Exception):
     """The request uses something this module does not reproduce exactly."""
 
 
+class Encoding(Protocol):
+    """A prompt ready to be encoded: ``cost_chars`` characters still go through the
+    tokenizer in ``finish``."""
+
+    @property
+    def cost_chars(self) -> int: ...
+
+    def finish(self) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Given:
+    """Token ids the request gave: nothing to encode."""
+
+    ids: list[int]
+    cost_chars: ClassVar[int] = 0
+
+    def finish(self) -> list[int]:
+        return self.ids
+
+
+@dataclass(frozen=True)
+class Whole:
+    """Text encoded whole (with special tokens: not cut into segments)."""
+
+    encode: Callable[[str], list[int]]
+    text: str
+
+    @property
+    def cost_chars(self) -> int:
+        return len(self.text)
+
+    def finish(self) -> list[int]:
+        return self.encode(self.text)
+
+
+def finish(encoding: Encoding) -> list[int] | None:
+    """``encoding``'s tokens, or None if the tokenizer failed on them."""
+    try:
+        return encoding.finish()
+    except Exception as exc:
+        log.debug("prompt not keyed: %s: %s", type(exc).__name__, exc)
+        return None
+
+
 class PromptRenderer:
     """One tokenizer (a model directory or hub name), applied as vLLM applies it."""
 
@@ -62,28 +108,35 @@ class PromptRenderer:
 
     def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids, or None when they cannot be computed exactly here."""
+        encoding = self.prepare(endpoint, body)
+        return None if encoding is None else finish(encoding)
+
+    def prepare(self, endpoint: str, body: dict[str, Any]) -> Encoding | None:
+        """The prompt rendered to text (or read as ids), the tokenizer not run yet: its
+        ``cost_chars`` is what :func:`finish` will still encode. None when the tokens cannot
+        be computed exactly here."""
         try:
             if endpoint == "chat":
-                return self.chat_tokens(body)
-            return self.completion_tokens(body)
+                return self._prepare_chat(body)
+            return self._prepare_completion(body)
         except Unrenderable as exc:
             log.debug("prompt not keyed: %s", exc)
         except Exception as exc:  # a template or tokenizer error: vLLM will answer it
             log.debug("prompt not keyed: %s: %s", type(exc).__name__, exc)
         return None
 
-    def completion_tokens(self, body: dict[str, Any]) -> list[int]:
+    def _prepare_completion(self, body: dict[str, Any]) -> Encoding:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not _is_ids(prompt):
             prompt = prompt[0]  # a batch: route by its first prompt
         if isinstance(prompt, list) and _is_ids(prompt):
-            return [int(t) for t in prompt]
+            return Given([int(t) for t in prompt])
         if not isinstance(prompt, str):
             raise Unrenderable("prompt is neither text nor token ids")
         _plain_request(body)
-        return self._encode(prompt, bool(body.get("add_special_tokens", True)))
+        return self._encoding(prompt, bool(body.get("add_special_tokens", True)))
 
-    def chat_tokens(self, body: dict[str, Any]) -> list[int]:
+    def _prepare_chat(self, body: dict[str, Any]) -> Encoding:
         refuse_request_template(body)
         _plain_request(body)
         if body.get("tools"):
@@ -97,11 +150,14 @@ class PromptRenderer:
             **self._template_kwargs(body, template))
         if not isinstance(text, str):
             raise Unrenderable("the chat template did not render to text")
-        return self._encode(text, bool(body.get("add_special_tokens", False)))
+        return self._encoding(text, bool(body.get("add_special_tokens", False)))
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encoding(self, text: str, add_special_tokens: bool) -> Encoding:
         if not add_special_tokens:
-            return self.segments(text)
+            return self.segments.prepare(text)
+        return Whole(self._encode_special, text)
+
+    def _encode_special(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def _encode_plain(self, text: str) -> list[int]:

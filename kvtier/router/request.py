@@ -77,8 +77,8 @@ class RoutedRequest:
         session = session_header
         if not session and body is not None and isinstance(body.get("user"), str):
             session = body["user"] or None
-        return cls(path, endpoint, raw, body, session, RequestKeys(endpoint, body, renderers),
-                   tenant)
+        keys = RequestKeys(endpoint, body, renderers, len(raw))
+        return cls(path, endpoint, raw, body, session, keys, tenant)
 
     @property
     def model(self) -> str | None:

@@ -25,6 +25,11 @@ segmented encodings and one in :data:`CHECK_EVERY` afterwards are also encoded w
 difference turns segments off for that tokenizer for good (logged once) and answers with the
 whole encoding. A wrong token could only misroute
 a request (the engine computes its own keys); it is never served as KV.
+
+Encoding is in two steps so that the router can do the cheap ones on its event loop:
+:meth:`SegmentEncoder.prepare` cuts and looks up (no tokenizer; its cost grows with the
+text's length only), :meth:`Prepared.finish` encodes what was not kept;
+:attr:`Prepared.cost_chars` says how much that is beforehand.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -85,18 +91,27 @@ class SegmentEncoder:
         """Characters whose tokens came from a kept segment."""
 
     def __call__(self, text: str) -> list[int]:
+        return self.prepare(text).finish()
+
+    def prepare(self, text: str) -> Prepared:
+        """``text`` cut and looked up, nothing encoded yet: :attr:`Prepared.cost_chars` says
+        how much of it the tokenizer still has to encode (the router does that little on
+        its event loop, more in a thread), :meth:`Prepared.finish` encodes it."""
         if not self.enabled or len(text) < 2 * self.min_chars:
-            return self._encode(text)
+            return Prepared(self, text, None, check=False)
         with self._lock:
             self._calls += 1
             check = self._calls <= CHECK_FIRST or self._calls % CHECK_EVERY == 0
-        tokens = self._segmented(text)
-        if not check:
-            return tokens
-        whole = self._encode(text)
-        if whole != tokens:
-            self._turn_off()
-        return whole
+        pieces: list[_Piece] = []
+        for segment in self.segments(text):
+            digest = hashlib.blake2b(segment.encode("utf-8", "surrogatepass"),
+                                     digest_size=16).digest()
+            with self._lock:
+                kept = self._kept.get(digest)
+                if kept is not None:
+                    self._kept.move_to_end(digest)
+            pieces.append(_Piece(segment, digest, kept))
+        return Prepared(self, text, pieces, check)
 
     def segments(self, text: str) -> list[str]:
         """``text`` cut where :data:`_CUT` allows, each piece but the last ≥ ``min_chars``."""
@@ -107,23 +122,22 @@ class SegmentEncoder:
         cuts.append(len(text))
         return [text[a:b] for a, b in pairwise(cuts) if b > a]
 
-    def _segmented(self, text: str) -> list[int]:
+    def _segmented(self, pieces: list[_Piece]) -> list[int]:
         out: list[int] = []
-        pieces = self.segments(text)
-        for i, segment in enumerate(pieces):
-            digest = hashlib.blake2b(segment.encode("utf-8", "surrogatepass"),
-                                     digest_size=16).digest()
-            with self._lock:
-                kept = self._kept.get(digest)
-                if kept is not None:
-                    self._kept.move_to_end(digest)
-                    self.reused_chars += len(segment)
-            if kept is None:
-                kept = array("i", self._encode(segment))
+        for i, piece in enumerate(pieces):
+            kept = piece.kept
+            if kept is None:  # kept since it was prepared (another request, or this one)
+                with self._lock:
+                    kept = self._kept.get(piece.digest)
+            if kept is not None:
+                with self._lock:
+                    self.reused_chars += len(piece.text)
+            else:
+                kept = array("i", self._encode(piece.text))
                 # a last piece shorter than a segment is where the next turn goes on: never
                 # asked for again, not kept
-                keep = i < len(pieces) - 1 or len(segment) >= self.min_chars
-                self._keep(digest, kept, len(segment), keep)
+                keep = i < len(pieces) - 1 or len(piece.text) >= self.min_chars
+                self._keep(piece.digest, kept, len(piece.text), keep)
             out.extend(kept)
         return out
 
@@ -154,6 +168,48 @@ class SegmentEncoder:
             return {"enabled": self.enabled, "segments": len(self._kept),
                     "cost": self._kept_cost, "encoded_chars": self.encoded_chars,
                     "reused_chars": self.reused_chars}
+
+
+@dataclass(frozen=True)
+class _Piece:
+    text: str
+    digest: bytes
+    kept: array[int] | None
+    """Its tokens, if they were kept when the text was prepared."""
+
+
+class Prepared:
+    """A text cut into segments, with the tokens kept of them; :meth:`finish` encodes the
+    rest (once)."""
+
+    def __init__(self, encoder: SegmentEncoder, text: str, pieces: list[_Piece] | None,
+                 check: bool) -> None:
+        self.encoder = encoder
+        self.text = text
+        self.pieces = pieces
+        """None: the text is encoded whole (short, or segments are off)."""
+        self.check = check
+        """Also encode it whole, and compare (:data:`CHECK_FIRST`, :data:`CHECK_EVERY`)."""
+
+    @property
+    def cost_chars(self) -> int:
+        """Characters the tokenizer has yet to encode."""
+        if self.pieces is None:
+            return len(self.text)
+        new = sum(len(p.text) for p in self.pieces if p.kept is None)
+        return new + (len(self.text) if self.check else 0)
+
+    def finish(self) -> list[int]:
+        encoder = self.encoder
+        if self.pieces is None:
+            return encoder._encode(self.text)
+        tokens = encoder._segmented(self.pieces)
+        if not self.check:
+            return tokens
+        whole = encoder._encode(self.text)
+        if whole != tokens:
+            encoder._turn_off()
+        return whole
 
 
 def unsafe_reason(tokenizer: Any) -> str | None:

@@ -172,3 +172,69 @@ def test_the_latest_namespace_of_a_model_wins() -> None:
     parsed = NamespaceInfo.parse({"namespace": "01" * 32, "chunk_tokens": 256, "model": "/p",
                                   "served_model_name": "m"})
     assert parsed == NamespaceInfo(b"\x01" * 32, 256, "/p", "m")
+
+
+def test_a_conversations_next_turn_is_keyed_on_the_event_loop_and_long_text_in_a_thread(
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread costs two wake-ups and a wait for the GIL on a busy machine: a turn whose
+    text the tokenizer has mostly seen is encoded inline; new long text, a body over
+    INLINE_BODY_BYTES or one of unknown size goes to a thread. The tokens are the same."""
+    from kvtier.router import keys as keys_module
+    from kvtier.router import segments
+
+    monkeypatch.setattr(segments, "CHECK_FIRST", 0)  # no whole-text checks in the way
+    threaded: list[str] = []
+    real = asyncio.to_thread
+
+    async def counting(func: Any, /, *args: Any, **kwargs: Any) -> Any:
+        threaded.append(getattr(func, "__name__", "?"))
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(keys_module.asyncio, "to_thread", counting)
+
+    class One(Renderers):
+        async def get(self, tokenizer: str) -> PromptRenderer | None:
+            return renderer
+
+    def tokens(body: dict[str, Any], size: int | None) -> Any:
+        return asyncio.run(RequestKeys("chat", body, One(), size).tokens("demo"))
+
+    history = [{"role": "user", "content": "".join(f"line {i} of a long question\n"
+                                                   for i in range(200))}]
+    first = {"messages": history}
+    assert tokens(first, 20_000) == renderer.tokens("chat", dict(first))
+    assert len(threaded) == 1, "a conversation's first long text is encoded in a thread"
+    turn = {"messages": [*history, {"role": "assistant", "content": "an answer"},
+                         {"role": "user", "content": "and then?"}]}
+    assert tokens(turn, 20_000) == renderer.tokens("chat", dict(turn))
+    assert len(threaded) == 1, "the next turn is encoded on the loop"
+    assert tokens(turn, keys_module.INLINE_BODY_BYTES + 1) == renderer.tokens("chat", dict(turn))
+    assert tokens(turn, None) is not None
+    assert len(threaded) == 3, "a large body, or one of unknown size, goes to a thread"
+
+
+def test_a_prepared_turn_costs_only_its_new_text(renderer: PromptRenderer,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.router import segments
+
+    monkeypatch.setattr(segments, "CHECK_FIRST", 0)
+    monkeypatch.setattr(segments, "CHECK_EVERY", 10**9)
+    history = [{"role": "system", "content": "rules\n" * 400},
+               {"role": "user", "content": "a question\n" * 400}]
+    first = renderer.prepare("chat", {"messages": history})
+    assert first is not None and first.cost_chars > 6000
+    assert first.finish() == renderer.tokenizer(renderer.tokenizer.apply_chat_template(
+        history, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"]
+    more = [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "?"}]
+    again = renderer.prepare("chat", {"messages": more})
+    assert again is not None and 0 < again.cost_chars < 2 * segments.MIN_CHARS + 100
+    same = renderer.prepare("chat", {"messages": more})
+    assert same is not None and same.cost_chars == again.cost_chars, "nothing encoded yet"
+    again.finish()
+    done = renderer.prepare("chat", {"messages": more})
+    assert done is not None and done.cost_chars < segments.MIN_CHARS, "its segments kept"
+    monkeypatch.setattr(segments, "CHECK_FIRST", 1)
+    checked = segments.SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=8)
+    text = "one line\ntwo line\nthree line\n"
+    assert checked.prepare(text).cost_chars == 2 * len(text), "a check encodes it whole too"
