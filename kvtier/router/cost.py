@@ -77,3 +77,9 @@ def estimate(prompt_tokens: int, chunk_tokens: int, holding: Holding, speed: flo
     sources[RECOMPUTED] = prompt_tokens - best_k * chunk_tokens
     prefill = best - best_load
     return Prediction(prompt_tokens, wait_s + best, wait_s, best_load, prefill, sources)
+
+
+def lower_bound(prompt_tokens: int, chunk_tokens: int, speed: float, wait_s: float) -> float:
+    """The least :func:`estimate` can give a backend whatever it holds: every whole chunk
+    held with nothing to wait for, only the last partial chunk computed."""
+    return wait_s + (prompt_tokens % chunk_tokens) / speed

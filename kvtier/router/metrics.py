@@ -39,9 +39,13 @@ class RouterMetrics:
                                      "request's prompt keys (chat template, tokenizer, chunk "
                                      "hashes), per request that needed them", buckets=_WORK,
                                      registry=r)
-        self.lookup_time = Histogram("kvtier_router_lookup_seconds", "Time of one decision's "
-                                     "node-server lookups (all in parallel)", buckets=_WORK,
+        self.lookup_time = Histogram("kvtier_router_lookup_seconds", "Time one decision "
+                                     "waited for its node-server lookups (all in parallel, "
+                                     "until their answers settled it)", buckets=_WORK,
                                      registry=r)
+        self.lookups_spared = Counter("kvtier_router_lookups_spared", "Node-server lookups "
+                                      "a decision did without (not sent, or not waited "
+                                      "for): what it knew already settled it", registry=r)
         self.retries = Counter("kvtier_router_retries", "Attempts that failed before any "
                                "byte reached the client and were retried elsewhere",
                                ["backend"], registry=r)
