@@ -1,7 +1,10 @@
 """Asking node servers what they hold of a prompt (``POST /v1/lookup``), in parallel.
 
 A server that does not answer within ``timeout_s`` (or answers with an error) counts as
-holding nothing: a lookup must never make routing slower than routing without it. A
+holding nothing: a lookup must never make routing slower than routing without it. One that
+fails :data:`FAILURES_TO_OPEN` lookups in a row is not asked for a while (:class:`Breaker`;
+logged once when it stops and once when it answers again), so that a node server that hangs
+does not add the timeout to every decision. A
 strategy need not wait for every answer: :meth:`NodeLookups.many` returns as soon as the
 answers in hand settle the choice (the ``cache`` strategy's bound), and sends none when
 what the router knows settles it already. With a
@@ -26,6 +29,9 @@ log = logging.getLogger("kvtier.router")
 
 Answer = tuple[tuple[str, ...], tuple[float, ...]]
 NOTHING: Answer = ((), ())
+FAILURES_TO_OPEN = 3
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
 
 
 class NodeLookups:
@@ -38,6 +44,7 @@ class NodeLookups:
         self.headers = dict(headers or {})
         self.took = took
         self.spared = spared
+        self._breakers: dict[str, Breaker] = {}
         self._background: set[asyncio.Future[Answer]] = set()
 
     async def many(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]],
@@ -78,6 +85,9 @@ class NodeLookups:
     async def one(self, url: str, keys: Sequence[ChunkKey]) -> Answer:
         if not keys:
             return NOTHING
+        breaker = self._breakers.setdefault(url, Breaker())
+        if not breaker.may_ask(time.monotonic()):
+            return NOTHING
         body = {"keys": [k.hex() for k in keys]}
         try:
             async with self.session.post(f"{url}/v1/lookup", json=body, headers=self.headers,
@@ -87,11 +97,65 @@ class NodeLookups:
                 doc = await resp.json(content_type=None)
             tiers = tuple(str(t) for t in doc["tiers"])
             arrival = tuple(float(a) for a in doc.get("arrival_s") or [0.0] * len(tiers))
+        except asyncio.CancelledError:
+            breaker.probing = False  # not an answer either way: the next one probes
+            raise
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError,
                 TypeError) as exc:
             if self.failures is not None:
                 self.failures.labels(redact_url(url)).inc()
             log.debug("lookup on %s failed: %s: %s", redact_url(url), type(exc).__name__, exc)
+            if breaker.failed(time.monotonic()):
+                log.warning("node server %s failed %d lookups in a row (last: %s); its "
+                            "backend is routed as holding nothing, asked again in %.0f s",
+                            redact_url(url), FAILURES_TO_OPEN, type(exc).__name__,
+                            breaker.backoff_s)
             return NOTHING
+        if breaker.answered():
+            log.info("node server %s answers lookups again", redact_url(url))
         n = min(len(tiers), len(arrival))
         return tiers[:n], arrival[:n]
+
+
+class Breaker:
+    """One node server's lookups: after :data:`FAILURES_TO_OPEN` failures in a row (refused,
+    an error, or no answer within the timeout) it is not asked for ``backoff_s`` (1 s, then
+    doubled up to :data:`MAX_BACKOFF_S` while the one lookup let through at its end fails
+    too): a node server that hangs must not add the lookup timeout to every decision."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.backoff_s = 0.0
+        self.until = 0.0
+        self.open = False
+        self.probing = False
+
+    def may_ask(self, now: float) -> bool:
+        if not self.open:
+            return True
+        if now < self.until or self.probing:
+            return False
+        self.probing = True  # one probe; the others are not asked until it answers
+        return True
+
+    def failed(self, now: float) -> bool:
+        """Counts a failure; True when it opens the breaker (from closed). Of the lookups
+        that fail while it is open, only the probe's doubles the backoff (the others were
+        sent before it opened)."""
+        self.failures += 1
+        if self.open:
+            if self.probing:
+                self.probing = False
+                self.backoff_s = min(self.backoff_s * 2, MAX_BACKOFF_S)
+                self.until = now + self.backoff_s
+            return False
+        if self.failures < FAILURES_TO_OPEN:
+            return False
+        self.open, self.backoff_s = True, FIRST_BACKOFF_S
+        self.until = now + self.backoff_s
+        return True
+
+    def answered(self) -> bool:
+        """Counts an answer; True when it closes the breaker."""
+        was, self.open, self.probing, self.failures = self.open, False, False, 0
+        return was
