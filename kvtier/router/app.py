@@ -323,11 +323,8 @@ class Router:
         return response
 
     def _remember(self, req: RoutedRequest, decision: Decision) -> None:
-        keys, backend = decision.keys, decision.backend
-        if keys is None or backend.namespace_for(req.model) != keys.namespace:
-            return
-        device = backend.device_tokens or self.config.cost.device_tokens
-        self.history.record(backend.index, keys.keys, device // keys.chunk_tokens)
+        if decision.keys is not None and self.strategy is not None:
+            self.strategy.ctx.remember(decision.backend, decision.keys, req.model)
 
     def _session_or_fail(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Router.start() first"
