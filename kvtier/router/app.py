@@ -51,6 +51,7 @@ from kvtier.router.proxy import (
 from kvtier.router.redact import Scrubber, ScrubFilter, redact_url, userinfo
 from kvtier.router.request import ENDPOINTS, BodyTooLarge, RoutedRequest, read_body
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
+from kvtier.router.strategies.cache import Worth
 from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
 
 log = logging.getLogger("kvtier.router")
@@ -191,6 +192,11 @@ class Router:
         slope = self.pool.steps.slope_s()
         if slope is not None:
             self.metrics.step_slope.set(slope)
+        worth = getattr(self.strategy, "worth", None)
+        if isinstance(worth, Worth):
+            self.metrics.decision_gain.set(worth.gain_s)
+            self.metrics.decision_cost.set(worth.cost_s)
+            self.metrics.shortcut.set(1 if worth.shortcut else 0)
         body = generate_latest(self.metrics.registry)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -80,7 +81,10 @@ class Scored:
 class Worth:
     """Whether full decisions pay: over the last :data:`WINDOW` of them, the mean time to
     first token a decision saved against the shortcut's choice (the least queue and
-    crowding, no keys) and the mean time it took."""
+    crowding, no keys), against the median time one took. The mean, because a rare decision
+    that saves a recompute is what deciding is for; the median, because a one-off (the
+    first request waiting for its tokenizer to load) must not stand for what deciding
+    costs."""
 
     def __init__(self) -> None:
         self.gains: deque[float] = deque(maxlen=WINDOW)
@@ -88,13 +92,20 @@ class Worth:
         self.shortcut = False
         self._since = 0
 
+    @property
+    def gain_s(self) -> float:
+        return statistics.fmean(self.gains) if self.gains else 0.0
+
+    @property
+    def cost_s(self) -> float:
+        return statistics.median(self.costs) if self.costs else 0.0
+
     def add(self, gain_s: float, cost_s: float) -> bool | None:
         """Counts a full decision; the new state when it changes (else None)."""
         self.gains.append(gain_s)
         self.costs.append(cost_s)
         was = self.shortcut
-        self.shortcut = (len(self.gains) >= MIN_DECISIONS
-                         and sum(self.gains) < sum(self.costs))
+        self.shortcut = len(self.gains) >= MIN_DECISIONS and self.gain_s < self.cost_s
         return self.shortcut if self.shortcut != was else None
 
     def take_shortcut(self) -> bool:
@@ -104,10 +115,6 @@ class Worth:
             return False
         self._since = (self._since + 1) % SAMPLE_EVERY
         return self._since != 0
-
-    def means_ms(self) -> tuple[float, float]:
-        n = max(1, len(self.gains))
-        return 1000 * sum(self.gains) / n, 1000 * sum(self.costs) / n
 
 
 class CacheAware(Strategy):
@@ -185,14 +192,15 @@ class CacheAware(Strategy):
         changed = self.worth.add(gain_s, cost_s)
         if changed is None or not self.ctx.config.cost.shortcut:
             return
-        gain, cost = self.worth.means_ms()
+        gain, cost = 1000 * self.worth.gain_s, 1000 * self.worth.cost_s
         if changed:
-            log.info("cache: a full decision gains %.1f ms of time to first token and takes "
-                     "%.1f ms (means of the last %d): routing by queue and crowding, deciding "
-                     "one request in %d", gain, cost, len(self.worth.gains), SAMPLE_EVERY)
+            log.info("cache: a full decision gains %.1f ms of time to first token (mean) and "
+                     "takes %.1f ms (median; of the last %d): routing by queue and crowding, "
+                     "deciding one request in %d", gain, cost, len(self.worth.gains),
+                     SAMPLE_EVERY)
         else:
-            log.info("cache: a full decision gains %.1f ms and takes %.1f ms: deciding every "
-                     "request again", gain, cost)
+            log.info("cache: a full decision gains %.1f ms (mean) and takes %.1f ms "
+                     "(median): deciding every request again", gain, cost)
 
     def _least_crowded(self, candidates: Sequence[Backend], now: float) -> Backend:
         """The shortcut: the least queue and crowding, no keys (ties: fewer in flight, then
