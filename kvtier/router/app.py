@@ -196,7 +196,8 @@ class Router:
         if isinstance(worth, Worth):
             self.metrics.decision_gain.set(worth.gain_s)
             self.metrics.decision_cost.set(worth.cost_s)
-            self.metrics.shortcut.set(1 if worth.shortcut else 0)
+            taken = worth.shortcut and self.config.cost.shortcut
+            self.metrics.shortcut.set(1 if taken else 0)
         body = generate_latest(self.metrics.registry)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
