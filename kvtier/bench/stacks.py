@@ -358,8 +358,6 @@ _FRONTS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "with the measured crowding of decoding streams counted (--decode-weight 1)"),
     ("cache-w0", "kvtier", "cache", ("--decode-weight=0",), "kvtier route, cache-aware, "
      "prefill queues only: decoding streams not counted (--decode-weight 0)"),
-    ("cache-always", "kvtier", "cache", ("--always-decide",), "kvtier route, cache-aware, "
-     "every request decided in full (no shortcut while decisions gain less than they take)"),
     ("vllm-router", "vllm-router", "cache_aware", (), "vLLM's own router (cache_aware)"),
     ("vllm-router-rr", "vllm-router", "round_robin", (), "vLLM's own router (round_robin)"),
     ("vllm-router-kv", "vllm-router", "kv_aware", (), "vLLM's own router (kv_aware, on the "

@@ -51,7 +51,6 @@ from kvtier.router.proxy import (
 from kvtier.router.redact import Scrubber, ScrubFilter, redact_url, userinfo
 from kvtier.router.request import ENDPOINTS, BodyTooLarge, RoutedRequest, read_body
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
-from kvtier.router.strategies.cache import Worth
 from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
 
 log = logging.getLogger("kvtier.router")
@@ -192,12 +191,6 @@ class Router:
         slope = self.pool.steps.slope_s()
         if slope is not None:
             self.metrics.step_slope.set(slope)
-        worth = getattr(self.strategy, "worth", None)
-        if isinstance(worth, Worth):
-            self.metrics.decision_gain.set(worth.gain_s)
-            self.metrics.decision_cost.set(worth.cost_s)
-            taken = worth.shortcut and self.config.cost.shortcut
-            self.metrics.shortcut.set(1 if taken else 0)
         body = generate_latest(self.metrics.registry)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -330,8 +323,11 @@ class Router:
         return response
 
     def _remember(self, req: RoutedRequest, decision: Decision) -> None:
-        if decision.keys is not None and self.strategy is not None:
-            self.strategy.ctx.remember(decision.backend, decision.keys, req.model)
+        keys, backend = decision.keys, decision.backend
+        if keys is None or backend.namespace_for(req.model) != keys.namespace:
+            return
+        device = backend.device_tokens or self.config.cost.device_tokens
+        self.history.record(backend.index, keys.keys, device // keys.chunk_tokens)
 
     def _session_or_fail(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Router.start() first"

@@ -76,11 +76,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "each stream decoding there slows the others' steps, from streamed "
                    "answers) counts in a newcomer's score there; 1: as measured, 0: only "
                    "prefill queues count (default: %(default)s; docs/router.md)")
-    p.add_argument("--always-decide", action="store_true",
-                   help="cache strategy: key, look up and score every request, even while "
-                   "full decisions are measured to gain less than they take (by default it "
-                   "then routes by queue and crowding, deciding one request in 8; "
-                   "docs/router.md)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
     p.add_argument("--parts-file", metavar="FILE",

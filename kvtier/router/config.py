@@ -37,10 +37,6 @@ class CostModel:
     """How much of a backend's measured crowding counts in a newcomer's score there: what
     the streams decoding beside it cost it, and it them (:meth:`BackendLoad.crowding_s`;
     1, the default: as measured; 0: only prefill queues count; docs/router.md)."""
-    shortcut: bool = True
-    """Route by queue and crowding alone, deciding in full only one request in
-    ``SAMPLE_EVERY``, while full decisions are measured to gain less time to first token than
-    they take (:mod:`kvtier.router.strategies.cache`); False: decide every request."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +103,7 @@ class RouterConfig:
             prefill_tokens_per_s=_positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s"),
             device_ttl_s=_positive(args.device_ttl_s, "--device-ttl-s"),
             lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"),
-            decode_weight=_weight(args.decode_weight, "--decode-weight"),
-            shortcut=not args.always_decide)
+            decode_weight=_weight(args.decode_weight, "--decode-weight"))
         api_key = read_key(args.api_key_env, args.api_key_file, "--api-key")
         return cls(
             backends=backends, kvtier_servers=servers, strategy=args.strategy,

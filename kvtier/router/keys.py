@@ -26,6 +26,9 @@ INLINE_BODY_BYTES = 64 << 10
 """A body up to this size is rendered, cut and looked up on the event loop (~0.5 ms for a
 20 KiB conversation on the development machine, ~1.5 ms for 80 KiB: it grows with the
 text); a larger one is rendered and encoded in a thread."""
+INLINE_PARTS = 128
+"""And has at most this many messages and content parts: building the conversation and
+rendering the template cost per message (tiny messages fill 64 KiB with thousands)."""
 INLINE_CHARS = 4096
 """Up to this much new text (~1.6 ms of tokenizer) is encoded on the event loop."""
 
@@ -152,7 +155,8 @@ class RequestKeys:
         if self.body is None:
             return None
         body = dict(self.body)
-        if self.size is None or self.size > INLINE_BODY_BYTES:
+        if (self.size is None or self.size > INLINE_BODY_BYTES
+                or _parts(body) > INLINE_PARTS):
             return await asyncio.to_thread(renderer.tokens, self.endpoint, body)
         encoding = renderer.prepare(self.endpoint, body)
         if encoding is None:
@@ -172,3 +176,12 @@ class RequestKeys:
                 and all(type(t) is int for t in prompt)):
             return list(prompt)
         return None
+
+
+def _parts(body: Mapping[str, Any]) -> int:
+    """A chat body's messages and content parts (0 for a completion)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    return len(messages) + sum(len(m["content"]) for m in messages
+                               if isinstance(m, dict) and isinstance(m.get("content"), list))

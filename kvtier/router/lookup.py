@@ -4,17 +4,17 @@ A server that does not answer within ``timeout_s`` (or answers with an error) co
 holding nothing: a lookup must never make routing slower than routing without it. One that
 fails :data:`FAILURES_TO_OPEN` lookups in a row is not asked for a while (:class:`Breaker`;
 logged once when it stops and once when it answers again), so that a node server that hangs
-does not add the timeout to every decision. A
-strategy need not wait for every answer: :meth:`NodeLookups.many` returns as soon as the
-answers in hand settle the choice (the ``cache`` strategy's bound), and sends none when
-what the router knows settles it already. With a
-node token every lookup carries ``Authorization: Bearer TOKEN``; failures are counted under
-the server's URL with its credentials redacted.
+does not add the timeout to every decision. A strategy need not wait for every answer:
+:meth:`NodeLookups.many` returns as soon as the answers in hand settle the choice (the
+``cache`` strategy's bound), and sends none when what the router knows settles it already.
+With a node token every lookup carries ``Authorization: Bearer TOKEN``; failures are counted
+under the server's URL with its credentials redacted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +30,11 @@ log = logging.getLogger("kvtier.router")
 Answer = tuple[tuple[str, ...], tuple[float, ...]]
 NOTHING: Answer = ((), ())
 FAILURES_TO_OPEN = 3
+ASK, PROBE = "ask", "probe"
+ANSWER_BYTES_PER_KEY = 64
+ANSWER_BYTES = 4096
+"""An answer larger than this plus :data:`ANSWER_BYTES_PER_KEY` a key asked is refused
+unread (a node server answers each key with a tier name and an arrival time)."""
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 
@@ -83,29 +88,40 @@ class NodeLookups:
         return answers
 
     async def one(self, url: str, keys: Sequence[ChunkKey]) -> Answer:
+        """What ``url`` holds of ``keys``; NOTHING when it fails (whatever the failure: a
+        lookup never fails a request) or is not asked (:class:`Breaker`)."""
         if not keys:
             return NOTHING
         breaker = self._breakers.setdefault(url, Breaker())
-        if not breaker.may_ask(time.monotonic()):
+        ticket = breaker.ask(time.monotonic())
+        if ticket is None:
             return NOTHING
+        probe = ticket == PROBE
         body = {"keys": [k.hex() for k in keys]}
+        cap = ANSWER_BYTES_PER_KEY * len(keys) + ANSWER_BYTES
         try:
             async with self.session.post(f"{url}/v1/lookup", json=body, headers=self.headers,
                                          timeout=self.timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                doc = await resp.json(content_type=None)
-            tiers = tuple(str(t) for t in doc["tiers"])
-            arrival = tuple(float(a) for a in doc.get("arrival_s") or [0.0] * len(tiers))
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > cap:
+                        raise ValueError(f"an answer over {cap} bytes for {len(keys)} keys")
+            doc = json.loads(raw)
+            tiers = tuple(str(t) for t in doc["tiers"][:len(keys)])
+            arrival = tuple(float(a) for a in (doc.get("arrival_s")
+                                               or [0.0] * len(tiers))[:len(keys)])
         except asyncio.CancelledError:
-            breaker.probing = False  # not an answer either way: the next one probes
+            if probe:
+                breaker.probing = False  # not an answer either way: the next one probes
             raise
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError,
-                TypeError) as exc:
+        except Exception as exc:  # refused, timed out, an error, or nonsense: nothing held
             if self.failures is not None:
                 self.failures.labels(redact_url(url)).inc()
             log.debug("lookup on %s failed: %s: %s", redact_url(url), type(exc).__name__, exc)
-            if breaker.failed(time.monotonic()):
+            if breaker.failed(time.monotonic(), probe):
                 log.warning("node server %s failed %d lookups in a row (last: %s); its "
                             "backend is routed as holding nothing, asked again in %.0f s",
                             redact_url(url), FAILURES_TO_OPEN, type(exc).__name__,
@@ -120,8 +136,9 @@ class NodeLookups:
 class Breaker:
     """One node server's lookups: after :data:`FAILURES_TO_OPEN` failures in a row (refused,
     an error, or no answer within the timeout) it is not asked for ``backoff_s`` (1 s, then
-    doubled up to :data:`MAX_BACKOFF_S` while the one lookup let through at its end fails
-    too): a node server that hangs must not add the lookup timeout to every decision."""
+    doubled up to :data:`MAX_BACKOFF_S` each time the one lookup let through at its end, the
+    probe, fails too): a node server that hangs must not add the lookup timeout to every
+    decision."""
 
     def __init__(self) -> None:
         self.failures = 0
@@ -130,25 +147,27 @@ class Breaker:
         self.open = False
         self.probing = False
 
-    def may_ask(self, now: float) -> bool:
+    def ask(self, now: float) -> str | None:
+        """:data:`ASK` (closed), :data:`PROBE` (open, its backoff over, no probe out), or
+        None: not asked."""
         if not self.open:
-            return True
+            return ASK
         if now < self.until or self.probing:
-            return False
+            return None
         self.probing = True  # one probe; the others are not asked until it answers
-        return True
+        return PROBE
 
-    def failed(self, now: float) -> bool:
-        """Counts a failure; True when it opens the breaker (from closed). Of the lookups
-        that fail while it is open, only the probe's doubles the backoff (the others were
-        sent before it opened)."""
-        self.failures += 1
+    def failed(self, now: float, probe: bool) -> bool:
+        """Counts a failure; True when it opens the breaker (from closed). While it is
+        open only the probe's failure counts (the others were sent before it opened): the
+        backoff doubles."""
         if self.open:
-            if self.probing:
+            if probe:
                 self.probing = False
                 self.backoff_s = min(self.backoff_s * 2, MAX_BACKOFF_S)
                 self.until = now + self.backoff_s
             return False
+        self.failures += 1
         if self.failures < FAILURES_TO_OPEN:
             return False
         self.open, self.backoff_s = True, FIRST_BACKOFF_S

@@ -46,16 +46,6 @@ class RouterMetrics:
         self.lookups_spared = Counter("kvtier_router_lookups_spared", "Node-server lookups "
                                       "a decision did without (not sent, or not waited "
                                       "for): what it knew already settled it", registry=r)
-        self.decision_gain = Gauge("kvtier_router_decision_gain_seconds", "cache strategy: "
-                                   "the time to first token its last full decisions "
-                                   "gained against the least queue and crowding (mean)",
-                                   registry=r)
-        self.decision_cost = Gauge("kvtier_router_decision_cost_seconds", "cache strategy: "
-                                   "the time its last full decisions took (median)",
-                                   registry=r)
-        self.shortcut = Gauge("kvtier_router_shortcut", "cache strategy: 1 while it routes "
-                              "by queue and crowding (decisions gain less than they take)",
-                              registry=r)
         self.retries = Counter("kvtier_router_retries", "Attempts that failed before any "
                                "byte reached the client and were retried elsewhere",
                                ["backend"], registry=r)

@@ -24,6 +24,8 @@ class NodeStub:
 
     def __init__(self) -> None:
         self.hang = False
+        self.answer: bytes | None = None
+        """Sent instead of an answer, when set."""
         self.asked = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -47,6 +49,8 @@ class NodeStub:
         keys = (await request.json())["keys"]
         if self.hang:
             await asyncio.sleep(30)
+        if self.answer is not None:
+            return web.Response(body=self.answer, content_type="application/json")
         return web.json_response({"tiers": ["arena"] * len(keys),
                                   "arrival_s": [0.0] * len(keys)})
 
@@ -95,3 +99,35 @@ def test_a_hung_node_server_is_not_asked_until_its_backoff_ends(
     stopped = [r for r in caplog.records if "lookups in a row" in r.getMessage()]
     again = [r for r in caplog.records if "answers lookups again" in r.getMessage()]
     assert len(stopped) == 1 and len(again) == 1, "logged once per change, not per lookup"
+
+
+def test_nonsense_from_a_node_server_is_nothing_held_and_never_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nested too deep to parse, far larger than its keys need, the wrong shape: each lookup
+    answers nothing held (never raises into a request), the breaker opens, and its probe is
+    not left stuck: once the server answers again, it is asked again."""
+    monkeypatch.setattr(lookup, "FIRST_BACKOFF_S", 0.2)
+    nonsense = [b"[" * 100_000 + b"]" * 100_000,  # RecursionError in the parser
+                b'{"tiers": ["arena"], "arrival_s": [0.0], "pad": "' + b"x" * (1 << 20) + b'"}',
+                b'{"tiers": 5}', b"\xff\xfe not json"]
+
+    async def main() -> None:
+        node = await NodeStub().start()
+        async with aiohttp.ClientSession() as session:
+            lookups = NodeLookups(session, 2.0)
+            for body in nonsense * 2:
+                node.answer = body
+                start = time.monotonic()
+                assert await lookups.one(node.url, KEYS) == NOTHING
+                assert time.monotonic() - start < 1.0
+            breaker = lookups._breakers[node.url]
+            assert breaker.open
+            await asyncio.sleep(0.25)
+            assert await lookups.one(node.url, KEYS) == NOTHING  # the probe: nonsense again
+            assert not breaker.probing and breaker.backoff_s == 0.4
+            node.answer = None
+            await asyncio.sleep(0.45)
+            assert await lookups.one(node.url, KEYS) == (("arena", "arena"), (0.0, 0.0))
+            assert not breaker.open
+        await node.stop()
+    asyncio.run(main())

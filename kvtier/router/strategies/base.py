@@ -37,15 +37,6 @@ class RoutingContext:
     history: DeviceHistory
     clock: Callable[[], float] = field(default=time.monotonic)
 
-    def remember(self, backend: Backend, keys: PromptKeys, model: str | None) -> None:
-        """Records a prompt for ``model`` sent to ``backend`` in its device history,
-        bounded by its device cache (vLLM's own size, or ``device_tokens``); not when the
-        keys are of another namespace than the one it serves the model with."""
-        if backend.namespace_for(model) != keys.namespace:
-            return
-        device = backend.device_tokens or self.config.cost.device_tokens
-        self.history.record(backend.index, keys.keys, device // keys.chunk_tokens)
-
 
 class Strategy(ABC):
     """Chooses a backend. ``choose`` gets a non-empty list of healthy candidates (the

@@ -19,30 +19,16 @@ unwaited; when the device history settles it, none is sent). On a fleet whose no
 answer at different speeds on busy cores, a decision then waits for the quicker one whenever
 that one's backend wins anyway.
 
-Deciding costs time on the request's path (keying, lookups: milliseconds on busy cores) and
-gains only where the candidates differ in what they hold. :class:`Worth` keeps, over the last
-:data:`WINDOW` full decisions, what each gained (the winner's score against that of the
-backend with the least queue and crowding, which needs no keys) and what it took. While the
-mean gain is below the mean cost, as where every instance loads every prompt from a fast
-shared tier at about its arena's speed, requests go to the least queue and crowding
-(``shortcut``), their keys computed after they are sent so that the device history stays
-whole, and one in :data:`SAMPLE_EVERY` is still decided in full to keep measuring; one
-decision that would have saved a recompute brings full decisions back. ``--always-decide``
-turns the shortcut off.
-
-Reasons: ``affinity`` (the winner is where the prompt would be soonest if no backend had a
+Reasons (of the answers in hand: a candidate not waited for counts its device history
+only): ``affinity`` (the winner is where the prompt would be soonest if no backend had a
 queue: its cache won), ``load`` (another backend would be, but its queue made this one
 sooner), ``cold`` (nobody holds any of it: least wait), ``no_keys`` (the prompt could not be
-keyed: least wait), ``shortcut`` (not decided in full: least queue and crowding).
+keyed: least wait).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import statistics
-import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,17 +37,11 @@ from kvtier.router.cost import DEVICE, Holding, Prediction, estimate, lower_boun
 from kvtier.router.keys import PromptKeys
 from kvtier.router.lookup import NOTHING, Answer
 from kvtier.router.request import RoutedRequest
-from kvtier.router.strategies.base import Decision, RoutingContext, Strategy
+from kvtier.router.strategies.base import Decision, Strategy
 
 log = logging.getLogger("kvtier.router")
 
 Rank = tuple[float, int, int]
-WINDOW = 64
-"""Full decisions the shortcut's gain and cost are averaged over."""
-MIN_DECISIONS = 32
-"""Full decisions measured before the shortcut may be taken."""
-SAMPLE_EVERY = 8
-"""While in shortcut, one request in this many is still decided in full."""
 
 
 @dataclass(frozen=True)
@@ -78,59 +58,10 @@ class Scored:
     its prediction counts only its device history."""
 
 
-class Worth:
-    """Whether full decisions pay: over the last :data:`WINDOW` of them, the mean time to
-    first token a decision saved against the shortcut's choice (the least queue and
-    crowding, no keys), against the median time one took. The mean, because a rare decision
-    that saves a recompute is what deciding is for; the median, because a one-off (the
-    first request waiting for its tokenizer to load) must not stand for what deciding
-    costs."""
-
-    def __init__(self) -> None:
-        self.gains: deque[float] = deque(maxlen=WINDOW)
-        self.costs: deque[float] = deque(maxlen=WINDOW)
-        self.shortcut = False
-        self._since = 0
-
-    @property
-    def gain_s(self) -> float:
-        return statistics.fmean(self.gains) if self.gains else 0.0
-
-    @property
-    def cost_s(self) -> float:
-        return statistics.median(self.costs) if self.costs else 0.0
-
-    def add(self, gain_s: float, cost_s: float) -> bool | None:
-        """Counts a full decision; the new state when it changes (else None)."""
-        self.gains.append(gain_s)
-        self.costs.append(cost_s)
-        was = self.shortcut
-        self.shortcut = len(self.gains) >= MIN_DECISIONS and self.gain_s < self.cost_s
-        return self.shortcut if self.shortcut != was else None
-
-    def take_shortcut(self) -> bool:
-        """True for all but one request in :data:`SAMPLE_EVERY` while in shortcut, so that
-        full decisions keep measuring what they would gain."""
-        if not self.shortcut:
-            return False
-        self._since = (self._since + 1) % SAMPLE_EVERY
-        return self._since != 0
-
-
 class CacheAware(Strategy):
     name = "cache"
 
-    def __init__(self, ctx: RoutingContext) -> None:
-        super().__init__(ctx)
-        self.worth = Worth()
-        self._background: set[asyncio.Task[None]] = set()
-
     async def choose(self, request: RoutedRequest, candidates: Sequence[Backend]) -> Decision:
-        if self.ctx.config.cost.shortcut and self.worth.take_shortcut():
-            backend = self._least_crowded(candidates, self.ctx.clock())
-            self._remember_later(request, backend)
-            return Decision(backend, "shortcut")
-        start = time.perf_counter()
         keysets = [await request.keys(b.namespace_for(request.model)) for b in candidates]
         if all(k is None for k in keysets):
             return Decision(self._least_wait(candidates, self.ctx.clock()), "no_keys")
@@ -151,9 +82,6 @@ class CacheAware(Strategy):
                                                          turn, final=True)
         best = min(scored, key=lambda s: s.rank)
         reason = self._reason(best.backend, scored)
-        shortcut = min(scored, key=lambda s: (
-            round(s.prediction.wait_s + self._crowd_s(s.backend), 6), *s.rank[1:]))
-        self._weigh(shortcut.rank[0] - best.rank[0], time.perf_counter() - start)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("cache: %s (%s) among %s", best.backend.name, reason,
                       "; ".join(self._explain(s) for s in scored))
@@ -187,41 +115,6 @@ class CacheAware(Strategy):
                 *tie)
             scored.append(Scored(rank, lowest, backend, pred, keys, waited))
         return scored
-
-    def _weigh(self, gain_s: float, cost_s: float) -> None:
-        changed = self.worth.add(gain_s, cost_s)
-        if changed is None or not self.ctx.config.cost.shortcut:
-            return
-        gain, cost = 1000 * self.worth.gain_s, 1000 * self.worth.cost_s
-        if changed:
-            log.info("cache: a full decision gains %.1f ms of time to first token (mean) and "
-                     "takes %.1f ms (median; of the last %d): routing by queue and crowding, "
-                     "deciding one request in %d", gain, cost, len(self.worth.gains),
-                     SAMPLE_EVERY)
-        else:
-            log.info("cache: a full decision gains %.1f ms (mean) and takes %.1f ms "
-                     "(median): deciding every request again", gain, cost)
-
-    def _least_crowded(self, candidates: Sequence[Backend], now: float) -> Backend:
-        """The shortcut: the least queue and crowding, no keys (ties: fewer in flight, then
-        round robin)."""
-        turn = next(self._turn)
-        return min(enumerate(candidates), key=lambda ib: (
-            round(ib[1].load.wait_s(now) + self._crowd_s(ib[1]), 6), ib[1].load.in_flight,
-            (ib[0] - turn) % len(candidates)))[1]
-
-    def _remember_later(self, request: RoutedRequest, backend: Backend) -> None:
-        """The prompt's keys go into the device history as a decision's would, computed
-        off the request's path (after it is sent on), so that the full decisions sampled
-        later still know what each device cache holds."""
-        async def remember() -> None:
-            keys = await request.keys(backend.namespace_for(request.model))
-            if keys is not None:
-                self.ctx.remember(backend, keys, request.model)
-
-        task = asyncio.get_running_loop().create_task(remember())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     @staticmethod
     def _ask(backend: Backend, keys: PromptKeys | None) -> tuple[str, bytes] | None:
