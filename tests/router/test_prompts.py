@@ -211,6 +211,9 @@ def test_a_conversations_next_turn_is_keyed_on_the_event_loop_and_long_text_in_a
     assert tokens(turn, keys_module.INLINE_BODY_BYTES + 1) == renderer.tokens("chat", dict(turn))
     assert tokens(turn, None) is not None
     assert len(threaded) == 3, "a large body, or one of unknown size, goes to a thread"
+    many = {"messages": [{"role": "user", "content": "x"}] * (keys_module.INLINE_PARTS + 1)}
+    assert tokens(many, 8_000) == renderer.tokens("chat", dict(many))
+    assert len(threaded) == 4, "so does a small body of many messages (rendered per message)"
 
 
 def test_a_prepared_turn_costs_only_its_new_text(renderer: PromptRenderer,
