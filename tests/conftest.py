@@ -20,6 +20,7 @@ from service_fixtures import (  # noqa: F401  (fixtures: real services on loopba
     s3_bucket,
     seaweed_mount,
     seaweedfs,
+    session_seaweedfs,
 )
 from store_helpers import MakeServer, MakeStore, build_store, server_config
 

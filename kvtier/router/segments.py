@@ -113,6 +113,19 @@ class SegmentEncoder:
             pieces.append(_Piece(segment, digest, kept))
         return Prepared(self, text, pieces, check)
 
+    def finish(self, prepared: Prepared) -> list[int]:
+        """The tokens of a text :meth:`prepare` cut: the pieces not kept encoded (and kept),
+        the whole text too when a check is due."""
+        if prepared.pieces is None:
+            return self._encode(prepared.text)
+        tokens = self._segmented(prepared.pieces)
+        if not prepared.check:
+            return tokens
+        whole = self._encode(prepared.text)
+        if whole != tokens:
+            self._turn_off()
+        return whole
+
     def segments(self, text: str) -> list[str]:
         """``text`` cut where :data:`_CUT` allows, each piece but the last ≥ ``min_chars``."""
         cuts = [0]
@@ -200,16 +213,7 @@ class Prepared:
         return new + (len(self.text) if self.check else 0)
 
     def finish(self) -> list[int]:
-        encoder = self.encoder
-        if self.pieces is None:
-            return encoder._encode(self.text)
-        tokens = encoder._segmented(self.pieces)
-        if not self.check:
-            return tokens
-        whole = encoder._encode(self.text)
-        if whole != tokens:
-            encoder._turn_off()
-        return whole
+        return self.encoder.finish(self)
 
 
 def unsafe_reason(tokenizer: Any) -> str | None:
