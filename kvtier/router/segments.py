@@ -138,14 +138,15 @@ class SegmentEncoder:
     def _segmented(self, pieces: list[_Piece]) -> list[int]:
         out: list[int] = []
         for i, piece in enumerate(pieces):
-            kept = piece.kept
-            if kept is None:  # kept since it was prepared (another request, or this one)
-                with self._lock:
+            with self._lock:
+                kept = piece.kept
+                if kept is None:  # kept since it was prepared (by another request, or here)
                     kept = self._kept.get(piece.digest)
-            if kept is not None:
-                with self._lock:
+                    if kept is not None:
+                        self._kept.move_to_end(piece.digest)
+                if kept is not None:
                     self.reused_chars += len(piece.text)
-            else:
+            if kept is None:
                 kept = array("i", self._encode(piece.text))
                 # a last piece shorter than a segment is where the next turn goes on: never
                 # asked for again, not kept
@@ -193,7 +194,7 @@ class _Piece:
 
 class Prepared:
     """A text cut into segments, with the tokens kept of them; :meth:`finish` encodes the
-    rest (once)."""
+    rest."""
 
     def __init__(self, encoder: SegmentEncoder, text: str, pieces: list[_Piece] | None,
                  check: bool) -> None:
