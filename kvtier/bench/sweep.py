@@ -16,7 +16,10 @@ rerun skips completed runs (failed ones too, unless ``--retry-failed``), adds th
 larger ``--repeat`` asks for, and refuses a file made with other settings unless ``--fresh``.
 At the end: ``cliff_ratio`` on the medians (:mod:`kvtier.bench.sweep_figure`), the table, and
 ``OUT/sweep.png`` (throughput and p99 TTFT against sessions, one line per configuration,
-min-max error bars when there are repeats).
+min-max error bars when there are repeats); then ``comparisons``: each configuration against
+its setup's round robin (and the ``--compare`` pairs), each repeat's run against the
+baseline's run of the same repeat, with a verdict that says only what every repeat agrees on
+(:mod:`kvtier.bench.sweep_pairs`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 from kvtier.bench.multiround import DEMO_NAME, add_arguments, workload_config
 from kvtier.bench.provenance import provenance
 from kvtier.bench.stacks import STACKS, StackEnv, StartedConfig, get_stack
+from kvtier.bench.sweep_pairs import parse_pair
 from kvtier.bench.sweep_runs import put_run, run_done, upgrade_v1
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KvtierError
@@ -62,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-per-point", action="store_true",
                    help="a fresh stack for every point (default: one per configuration)")
     p.add_argument("--list-configs", action="store_true", help="list configurations, exit")
+    p.add_argument("--compare", action="append", default=[], metavar="CANDIDATE:BASELINE",
+                   help="also compare these two configurations, run by run of each repeat "
+                   "(repeatable; every SETUP+FRONT is compared with SETUP+roundrobin "
+                   "anyway): kvtier.bench.sweep_pairs")
     g = p.add_argument_group("engine (the same for every configuration)")
     g.add_argument("--model", help="model directory (default: the demo model)")
     g.add_argument("--served-model-name", default=DEMO_NAME)
@@ -373,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
     users, histories = _ints(args.users, "--users"), _ints(args.history, "--history")
     if args.repeat < 1:
         raise ConfigError(f"--repeat: expected at least 1 run per point, got {args.repeat}")
+    pairs = [parse_pair(text) for text in args.compare]
     if args.model:
         model = str(Path(args.model).expanduser().resolve())
     else:
@@ -382,6 +391,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = load_doc(out / "sweep.json", settings(args, model), args.fresh)
+    for pair in pairs:
+        for name in pair:
+            if name not in names and name not in doc.get("configs", {}):
+                raise ConfigError(f"--compare {pair[0]}:{pair[1]}: {name!r} is neither in "
+                                  f"--configs nor in {out / 'sweep.json'} already")
     doc["command"] = command(args)
     if doc["command"] not in doc.setdefault("commands", []):
         doc["commands"].append(doc["command"])  # every invocation that added points
@@ -389,22 +403,28 @@ def run(args: argparse.Namespace) -> int:
     sweep = Sweep(args, model, out, doc)
     for repeat, name in schedule(names, args.repeat):
         sweep.run_config(name, repeat, users, histories)
-    finish(sweep, histories)
+    finish(sweep, histories, pairs)
     return 0
 
 
-def finish(sweep: Sweep, histories: list[int]) -> None:
-    """The cliff (on the points' medians) into the JSON, the table, the figure."""
-    from kvtier.bench import sweep_figure
+def finish(sweep: Sweep, histories: list[int], pairs: list[tuple[str, str]]) -> None:
+    """The cliff (on the points' medians) and the paired comparisons into the JSON, the
+    tables, the figure."""
+    from kvtier.bench import sweep_figure, sweep_pairs
 
     doc = sweep.doc
     cliffs = [sweep_figure.cliff(doc["configs"], h) for h in histories]
     doc["cliff"] = cliffs
     doc["cliff_ratio"] = cliffs[0]["cliff_ratio"]
     doc["cliff_ratio_is_lower_bound"] = cliffs[0]["cliff_ratio_is_lower_bound"]
+    wanted = sweep_pairs.default_pairs(doc["configs"])
+    wanted += [p for p in pairs if p not in wanted]
+    doc["comparisons"] = sweep_pairs.compare(doc["configs"], wanted)
     sweep.save()
     print(sweep_figure.table_text(doc["configs"]))
     print(sweep_figure.summary_line(cliffs[0]))
+    if doc["comparisons"]:
+        print(sweep_pairs.table_text(doc["comparisons"]))
     try:
         sweep_figure.plot(doc, str(sweep.out / "sweep.png"))
     except ImportError:

@@ -60,7 +60,8 @@ class Fake:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Fake:
     fake = Fake()
-    for name in ("device", "arena+disk", "fake-a", "fake-b", "fake-c"):
+    for name in ("device", "arena+disk", "fake-a", "fake-b", "fake-c", "f+roundrobin",
+                 "f+cache"):
         monkeypatch.setitem(stacks.STACKS, name, StackSpec(name, f"fake {name}",
                                                            fake.start(name)))
     monkeypatch.setattr("kvtier.bench.sweep._warm_up", lambda _stack, _model: None)
@@ -277,3 +278,30 @@ def test_provenance_names_the_commit_of_a_checkout_else_the_version(tmp_path: Pa
     installed = tmp_path / "lib" / "site-packages" / "kvtier"
     installed.mkdir(parents=True)
     assert provenance(installed)["commit"] is None
+
+
+def test_each_front_is_compared_with_its_setups_round_robin_repeat_by_repeat(
+        tmp_path: Path, fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.figures = {("f+cache", 2, 1): 1200.0, ("f+cache", 2, 2): 1100.0,
+                    ("f+cache", 2, 3): 1300.0, ("fake-a", 2, 2): 500.0}
+    assert sweep(tmp_path, "--configs", "f+roundrobin,f+cache,fake-a", "--users", "2",
+                 "--repeat", "3", "--compare", "fake-a:f+roundrobin") == 0
+    cache, other = load(tmp_path)["comparisons"]
+    assert (cache["candidate"], cache["baseline"]) == ("f+cache", "f+roundrobin")
+    assert cache["throughput_tok_s"]["ratios"] == pytest.approx([1.2, 1.1, 1.3])
+    assert cache["throughput_tok_s"]["verdict"] == cache["p99_ttft_s"]["verdict"] == "better"
+    assert other["candidate"] == "fake-a"
+    assert other["throughput_tok_s"]["ratios"] == pytest.approx([1.0, 0.5, 1.0])
+    assert other["throughput_tok_s"]["verdict"] == "within noise"
+    out = capsys.readouterr().out
+    assert "f+cache / f+roundrobin" in out and "1.20x (1.20, 1.10, 1.30)" in out
+
+
+def test_a_compare_naming_a_configuration_the_sweep_lacks_is_refused_before_running(
+        tmp_path: Path, fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    assert sweep(tmp_path, "--configs", "fake-a", "--users", "2",
+                 "--compare", "fake-a:f+roundrobin") == 2
+    assert "'f+roundrobin' is neither in --configs" in capsys.readouterr().err
+    assert fake.calls == [], "nothing ran"
+    assert sweep(tmp_path, "--configs", "fake-a", "--compare", "fake-a") == 2
+    assert "CANDIDATE:BASELINE" in capsys.readouterr().err
