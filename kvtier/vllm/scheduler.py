@@ -249,7 +249,8 @@ class SchedulerSide:
 
     def _report(self, now: float, force: bool = False) -> None:
         """Tell the node server what this engine saw: at most once per REPORT_EVERY_S while
-        steps run, and when a request finishes (an idle engine stops stepping). A server
+        steps run, and when the last running request finishes (an idle engine stops
+        stepping). A server
         seen for the first time (a new start) is told about this namespace first."""
         if (now - self._reported_at < REPORT_EVERY_S and not force) or not self.link.available:
             return
@@ -424,7 +425,13 @@ class SchedulerSide:
         options = st.info.options
         if options.priority is not None and st.keys:
             self.link.call(SetPriority(st.keys, options.priority), None)
-        self._report(self.clock(), force=True)
+        # A report is a round trip to the node server inside vLLM's scheduler loop. An
+        # engine that still runs other requests keeps stepping, and the periodic report
+        # carries this one's counters within REPORT_EVERY_S; only one about to go idle
+        # reports now. (Forced at every finish, every finish waited for the node server's
+        # answer, milliseconds on busy cores, before vLLM could schedule the next step.)
+        still_running = any(not other.finished for other in self._reqs.values())
+        self._report(self.clock(), force=not still_running)
         return None if st.accounting is None else {"kvtier": st.accounting.as_params()}
 
     def reset_keys(self) -> None:

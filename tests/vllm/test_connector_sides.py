@@ -11,12 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rig import BLOCK, CHUNK, FakeEngine, empty_step, step_for
 from store_helpers import disk_files, wait_until
 
 from kvtier.config import ServerConfig
 from kvtier.keys import chunk_keys
+from kvtier.protocol import Report
 from kvtier.server import EmbeddedServer, NodeServer
+from kvtier.vllm import scheduler
 
 PROMPT = list(range(100, 200))  # 100 tokens: 3 full chunks of 32, 7 blocks of 16
 
@@ -283,3 +286,32 @@ def test_the_scheduler_side_registers_its_namespace_with_each_server_start(
     assert server.service is not None
     info = server.service.namespaces[engine.sched.ns.fingerprint]
     assert info["chunk_tokens"] == CHUNK and info["namespace"] == engine.sched.ns.short
+
+
+def test_a_finish_reports_to_the_server_only_when_the_engine_goes_idle(
+        make_server: Any, engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report is a round trip to the node server in vLLM's scheduler loop: a request that
+    finishes beside another running one leaves its counters to the periodic report (the
+    engine keeps stepping); the last one to finish reports at once."""
+    server = make_server(slots=16)
+    engine = engines(server)
+    stored_prompt(engine)  # registered, and a first report made
+    link = engine.sched.link
+    sent: list[str] = []
+    call = link.call
+
+    def recording(request: Any, default: Any, undo: Any = None) -> Any:
+        sent.append(type(request).__name__)
+        return call(request, default, undo)
+
+    monkeypatch.setattr(link, "call", recording)
+    monkeypatch.setattr(scheduler, "REPORT_EVERY_S", 3600.0)  # no periodic report due
+    monkeypatch.setattr(engine.sched, "_reported_at", engine.sched.clock())
+    first = engine.add([t + 3000 for t in PROMPT])
+    second = engine.add([t + 4000 for t in PROMPT])
+    engine.run(first)
+    engine.run(second)
+    engine.finish(first)
+    assert Report.__name__ not in sent, "the second still runs: no round trip for the first"
+    engine.finish(second)
+    assert sent.count(Report.__name__) == 1, "the last one to finish reports"
