@@ -102,15 +102,12 @@ class SegmentEncoder:
         with self._lock:
             self._calls += 1
             check = self._calls <= CHECK_FIRST or self._calls % CHECK_EVERY == 0
-        pieces: list[_Piece] = []
-        for segment in self.segments(text):
-            digest = hashlib.blake2b(segment.encode("utf-8", "surrogatepass"),
-                                     digest_size=16).digest()
-            with self._lock:
-                kept = self._kept.get(digest)
-                if kept is not None:
-                    self._kept.move_to_end(digest)
-            pieces.append(_Piece(segment, digest, kept))
+        segments = self.segments(text)
+        digests = [hashlib.blake2b(segment.encode("utf-8", "surrogatepass"),
+                                   digest_size=16).digest() for segment in segments]
+        with self._lock:
+            pieces = [_Piece(segment, digest, self._touch(digest))
+                      for segment, digest in zip(segments, digests, strict=True)]
         return Prepared(self, text, pieces, check)
 
     def finish(self, prepared: Prepared) -> list[int]:
@@ -139,11 +136,8 @@ class SegmentEncoder:
         out: list[int] = []
         for i, piece in enumerate(pieces):
             with self._lock:
-                kept = piece.kept
-                if kept is None:  # kept since it was prepared (by another request, or here)
-                    kept = self._kept.get(piece.digest)
-                    if kept is not None:
-                        self._kept.move_to_end(piece.digest)
+                # kept since it was prepared (by another request, or here)?
+                kept = piece.kept if piece.kept is not None else self._touch(piece.digest)
                 if kept is not None:
                     self.reused_chars += len(piece.text)
             if kept is None:
@@ -154,6 +148,13 @@ class SegmentEncoder:
                 self._keep(piece.digest, kept, len(piece.text), keep)
             out.extend(kept)
         return out
+
+    def _touch(self, digest: bytes) -> array[int] | None:
+        """The kept tokens of a segment, now the most recently used (the lock held)."""
+        kept = self._kept.get(digest)
+        if kept is not None:
+            self._kept.move_to_end(digest)
+        return kept
 
     def _keep(self, digest: bytes, tokens: array[int], chars: int, keep: bool) -> None:
         cost = len(tokens) + ENTRY_COST

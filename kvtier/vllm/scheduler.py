@@ -250,8 +250,8 @@ class SchedulerSide:
     def _report(self, now: float, force: bool = False) -> None:
         """Tell the node server what this engine saw: at most once per REPORT_EVERY_S while
         steps run, and when the last running request finishes (an idle engine stops
-        stepping). A server
-        seen for the first time (a new start) is told about this namespace first."""
+        stepping). A server seen for the first time (a new start) is told about this
+        namespace first."""
         if (now - self._reported_at < REPORT_EVERY_S and not force) or not self.link.available:
             return
         self._reported_at = now
