@@ -28,7 +28,9 @@ class Accounting:
         self.min_sample_tokens = min_sample_tokens
 
     def record(self, req: RoutedRequest, decision: Decision, outcome: Outcome,
-                 flight: Flight | None, received: float) -> None:
+                 flight: Flight | None, received: float) -> dict[str, int] | None:
+        """Counts one answer; returns its actual sources of prompt tokens when it reported
+        them (``kv_transfer_params.kvtier.tokens``)."""
         backend, m = decision.backend, self.metrics
         now = time.monotonic()
         m.requests.labels(backend.name, req.endpoint, str(outcome.status)).inc()
@@ -36,7 +38,7 @@ class Accounting:
         if outcome.first_byte is not None:
             m.first_byte.labels(backend.name).observe(outcome.first_byte - received)
         if outcome.status != 200:
-            return
+            return None
         if outcome.streamed and outcome.chunks >= 3 and outcome.first_byte and outcome.last_byte:
             itl = (outcome.last_byte - outcome.first_byte) / (outcome.chunks - 1)
             backend.load.itl_s.add(itl)
@@ -56,6 +58,7 @@ class Accounting:
             m.hit_source.labels(pred.dominant if pred else "unknown", dominant(actual)).inc()
         if flight is not None:
             self._speed_sample(backend, decision, outcome, flight, actual)
+        return actual
 
     def _speed_sample(self, backend: Backend, decision: Decision, outcome: Outcome,
                       flight: Flight, actual: dict[str, int] | None) -> None:

@@ -35,8 +35,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvtier.router.accounting import Accounting
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.config import RouterConfig
+from kvtier.router.cost import RECOMPUTED
 from kvtier.router.health import HealthMonitor
 from kvtier.router.history import DeviceHistory
+from kvtier.router.holdings import Holdings
 from kvtier.router.keys import Renderers
 from kvtier.router.lookup import NodeLookups
 from kvtier.router.metrics import RouterMetrics
@@ -71,6 +73,7 @@ class Router:
         self.pool.listeners.append(self._on_health)
         self.renderers = Renderers()
         self.history = DeviceHistory(config.cost.device_ttl_s)
+        self.holdings = Holdings(config.cost.lookup_memory_s)
         self.strategy_cls = STRATEGIES[config.strategy]  # unknown name: fail before binding
         self.tenants = config.tenants or Tenants({config.api_key: OPEN} if config.api_key
                                                  else {})
@@ -104,7 +107,8 @@ class Router:
             log.addFilter(self._scrub_filter)
         lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
                               self.metrics.lookup_failures, self._node_headers,
-                              self.metrics.lookup_time, self.metrics.lookups_spared)
+                              self.metrics.lookup_time, self.metrics.lookups_spared,
+                              self.holdings, self.metrics.lookups_recalled)
         ctx = RoutingContext(self.config, self.pool, lookups, self.history)
         self.strategy = self.strategy_cls(ctx)
         self._health = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
@@ -315,7 +319,8 @@ class Router:
         finally:
             flight = load.finish(fid, time.monotonic())
             gauge.dec()
-        self.accounting.record(req, decision, outcome, flight, received)
+        actual = self.accounting.record(req, decision, outcome, flight, received)
+        self._check_recall(decision, actual)
         if "cut" in outcome.extra:
             self.pool.set_health(backend, False, self.scrub(f"stream cut: {outcome.extra['cut']}"))
         elif "timed_out" in outcome.extra:  # slow, not gone: it stays in
@@ -328,6 +333,18 @@ class Router:
             return
         device = backend.device_tokens or self.config.cost.device_tokens
         self.history.record(backend.index, keys.keys, device // keys.chunk_tokens)
+        if backend.node_url is not None:
+            self.holdings.sent(backend.node_url, keys.keys)
+
+    def _check_recall(self, decision: Decision, actual: dict[str, int] | None) -> None:
+        """A response that held a chunk or more less than predicted: what the router
+        remembers its node server holds of the prompt is asked again next time."""
+        pred, keys, url = decision.prediction, decision.keys, decision.backend.node_url
+        if pred is None or keys is None or actual is None or url is None:
+            return
+        held = sum(tokens for source, tokens in actual.items() if source != RECOMPUTED)
+        if held + keys.chunk_tokens <= pred.held_tokens:
+            self.holdings.contradicted(url, keys.keys)
 
     def _session_or_fail(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Router.start() first"
@@ -337,3 +354,5 @@ class Router:
         self.metrics.up.labels(backend.name).set(1 if healthy else 0)
         if not healthy:
             self.history.forget(backend.index)  # a restarted engine has an empty cache
+            if backend.node_url is not None:
+                self.holdings.forget(backend.node_url)

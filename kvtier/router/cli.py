@@ -71,6 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "device cache")
     p.add_argument("--lookup-timeout-s", type=float, default=0.1,
                    help="cache strategy: a node server slower than this holds nothing")
+    p.add_argument("--lookup-memory-s", type=float, default=CostModel.lookup_memory_s,
+                   help="cache strategy: how long a node server's lookup answer, with the "
+                   "prompts sent to its backend since, stands for what it holds: only what "
+                   "that cannot answer is asked (0: ask on every decision; default: "
+                   "%(default)s; docs/router.md)")
     p.add_argument("--decode-weight", type=float, default=CostModel.decode_weight,
                    help="cache strategy: how much of a backend's measured crowding (how much "
                    "each stream decoding there slows the others' steps, from streamed "

@@ -33,6 +33,10 @@ class CostModel:
     """vLLM's device cache size in tokens when the backend's /metrics does not say."""
     lookup_timeout_s: float = 0.1
     """A node server that has not answered a lookup by then counts as holding nothing."""
+    lookup_memory_s: float = 30.0
+    """How long a node server's lookup answer, with what the router sent since, stands for
+    what it holds: a decision asks only about what that memory cannot answer
+    (:mod:`kvtier.router.holdings`; 0: every decision asks)."""
     decode_weight: float = 1.0
     """How much of a backend's measured crowding counts in a newcomer's score there: what
     the streams decoding beside it cost it, and it them (:meth:`BackendLoad.crowding_s`;
@@ -103,6 +107,7 @@ class RouterConfig:
             prefill_tokens_per_s=_positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s"),
             device_ttl_s=_positive(args.device_ttl_s, "--device-ttl-s"),
             lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"),
+            lookup_memory_s=_non_negative(args.lookup_memory_s, "--lookup-memory-s"),
             decode_weight=_weight(args.decode_weight, "--decode-weight"))
         api_key = read_key(args.api_key_env, args.api_key_file, "--api-key")
         return cls(

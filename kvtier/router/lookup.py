@@ -9,6 +9,10 @@ does not add the timeout to every decision. A strategy need not wait for every a
 ``cache`` strategy's bound), and sends none when what the router knows settles it already.
 With a node token every lookup carries ``Authorization: Bearer TOKEN``; failures are counted
 under the server's URL with its credentials redacted.
+
+With :class:`~kvtier.router.holdings.Holdings`, every answer (waited for or not) is
+remembered, and :meth:`NodeLookups.many` sends only the lookups that memory cannot answer
+(counted in ``recalled``).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import aiohttp
 from prometheus_client import Counter, Histogram
 
 from kvtier.keys import ChunkKey
+from kvtier.router.holdings import Answer, Holdings, shared_tiers
 from kvtier.router.redact import redact_url
 
 log = logging.getLogger("kvtier.router")
 
-Answer = tuple[tuple[str, ...], tuple[float, ...]]
+__all__ = ["NOTHING", "Answer", "Breaker", "NodeLookups"]
+
 NOTHING: Answer = ((), ())
 FAILURES_TO_OPEN = 3
 ASK, PROBE = "ask", "probe"
@@ -42,32 +48,43 @@ MAX_BACKOFF_S = 30.0
 class NodeLookups:
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float,
                  failures: Counter | None = None, headers: Mapping[str, str] | None = None,
-                 took: Histogram | None = None, spared: Counter | None = None) -> None:
+                 took: Histogram | None = None, spared: Counter | None = None,
+                 holdings: Holdings | None = None, recalled: Counter | None = None) -> None:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.failures = failures
         self.headers = dict(headers or {})
         self.took = took
         self.spared = spared
+        self.holdings = holdings
+        self.recalled = recalled
         self._breakers: dict[str, Breaker] = {}
         self._background: set[asyncio.Future[Answer]] = set()
 
     async def many(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]],
                    enough: Callable[[Mapping[tuple[str, bytes], Answer]], bool] | None = None
                    ) -> dict[tuple[str, bytes], Answer]:
-        """One lookup per (node server URL, namespace) pair, all at once. Returns when all
-        have answered, or as soon as ``enough(answers so far)`` says the others cannot
-        change anything (asked first with none: then none is sent). Those not waited for
-        finish in the background (bounded by ``timeout_s``; their connections go back to
-        the pool). Both are counted in ``spared``; the time waited goes to ``took``."""
-        if enough is not None and asks and enough({}):
+        """One lookup per (node server URL, namespace) pair, all at once, but for those the
+        holdings answer. Returns when all have answered, or as soon as ``enough(answers so
+        far)`` says the others cannot change anything (asked first with the recalled ones
+        only: then none is sent). Those not waited for finish in the background (bounded
+        by ``timeout_s``; their connections go back to the pool). Both are counted in
+        ``spared``; the time waited goes to ``took``."""
+        answers: dict[tuple[str, bytes], Answer] = {}
+        if self.holdings is not None:
+            answers = self.holdings.recall_all(asks)
+            if answers and self.recalled is not None:
+                self.recalled.inc(len(answers))
+        rest = {ask: keys for ask, keys in asks.items() if ask not in answers}
+        if not rest:
+            return answers
+        if enough is not None and enough(answers):
             if self.spared is not None:
-                self.spared.inc(len(asks))
-            return {}
+                self.spared.inc(len(rest))
+            return answers
         start = time.perf_counter()
         tasks = {asyncio.ensure_future(self.one(ask[0], keys)): ask
-                 for ask, keys in asks.items()}
-        answers: dict[tuple[str, bytes], Answer] = {}
+                 for ask, keys in rest.items()}
         pending = set(tasks)
         try:
             while pending:
@@ -130,7 +147,10 @@ class NodeLookups:
         if breaker.answered():
             log.info("node server %s answers lookups again", redact_url(url))
         n = min(len(tiers), len(arrival))
-        return tiers[:n], arrival[:n]
+        answer = tiers[:n], arrival[:n]
+        if self.holdings is not None:
+            self.holdings.learn(url, keys, answer, shared_tiers(doc.get("shared")))
+        return answer
 
 
 class Breaker:

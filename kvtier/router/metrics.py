@@ -46,6 +46,10 @@ class RouterMetrics:
         self.lookups_spared = Counter("kvtier_router_lookups_spared", "Node-server lookups "
                                       "a decision did without (not sent, or not waited "
                                       "for): what it knew already settled it", registry=r)
+        self.lookups_recalled = Counter("kvtier_router_lookups_recalled", "Node-server "
+                                        "lookups answered from the router's memory of "
+                                        "earlier answers and of the prompts it sent since "
+                                        "(--lookup-memory-s): not sent", registry=r)
         self.retries = Counter("kvtier_router_retries", "Attempts that failed before any "
                                "byte reached the client and were retried elsewhere",
                                ["backend"], registry=r)

@@ -8,7 +8,8 @@
                            what engines registered (so a router can compute their keys)
                                                                (token)
     GET  /v1/stats         the store's stats                   (token)
-    POST /v1/lookup        {"keys": [hex, ...]} -> {"tiers": [...], "arrival_s": [...]}
+    POST /v1/lookup        {"keys": [hex, ...]} -> {"tiers": [...], "arrival_s": [...],
+                                                    "instance": ..., "shared": [tier, ...]}
                            the longest available prefix of the keys and when each could be
                            in the arena (the ``cache`` routing strategy asks this)  (token)
 
@@ -251,8 +252,10 @@ class NodeHTTP:
             hit = self.service.store.lookup_hit(keys)
         except InvalidRequest as exc:
             return _json({"error": str(exc)}, 400)
+        store = self.service.store
         return _json({"tiers": hit.tiers, "arrival_s": hit.arrival_s,
-                      "instance": self.service.store.instance})
+                      "instance": store.instance,
+                      "shared": [s.name for s in store.tiers if s.tier.shared]})
 
 
 def _keys(body: bytes) -> list[ChunkKey]:

@@ -19,20 +19,41 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from store_helpers import NS, client_store
+from store_helpers import NS, SLOT_BYTES, client_store
 
 from kvtier.client import KvtierClient
+from kvtier.config import ServerConfig
 from kvtier.keys import chunk_keys
 from kvtier.protocol import Register
 from kvtier.router.app import Router
 from kvtier.router.config import CostModel, RouterConfig
-from kvtier.server import NodeServer
+from kvtier.server import EmbeddedServer, NodeServer
 
 MODEL = "stub-model"
+
+
+def node(root: Path, shared: Path | None, chunk: int = 16) -> NodeServer:
+    """A real node server on ``root`` (HTTP API on a free port) with, if ``shared`` is
+    given, an ``fs`` tier named ``shared`` in that folder."""
+    tiers = [] if shared is None else [{
+        "type": "fs", "name": "shared", "capacity_bytes": 64 << 20, "io_threads": 2,
+        "options": {"path": str(shared), "journal_interval_s": 0.05, "poll_s": 0.1,
+                    "sweep_interval_s": 600}}]
+    config = ServerConfig.from_dict({
+        "socket_path": str(root / "kvtier.sock"), "metrics_port": 0, "tiers": tiers,
+        "arena": {"size_bytes": 256 * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+                  "free_target": 0.0}})
+    return EmbeddedServer(config).start()
+
+
+def held_by(server: NodeServer, tokens: list[int], chunk: int = 16) -> list[str]:
+    with KvtierClient(server.socket_path) as client:
+        return list(client.lookup(chunk_keys(NS, tokens, chunk)))
 
 
 @dataclass
@@ -63,7 +84,10 @@ class EngineModel:
                 held[tier] += self.chunk_tokens
             recomputed = len(tokens) - len(hit) * self.chunk_tokens
             await asyncio.sleep(recomputed / self.speed + 0.002 * len(hit))
-            await asyncio.to_thread(self._store, keys[len(hit):])
+            # what it loaded from a lower tier is in its arena now, as the connector's lease
+            # promotes it; what it computed is stored there
+            loaded = [k for k, tier in zip(keys, hit, strict=False) if tier != "arena"]
+            await asyncio.to_thread(self._store, loaded + keys[len(hit):])
         return {"device": 0, **held, "recomputed": recomputed}
 
     def _lookup(self, keys: list[Any]) -> list[str]:

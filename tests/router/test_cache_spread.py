@@ -15,36 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from store_helpers import NS, SLOT_BYTES
-from stubs import EngineModel, completion, post, router_config, running_router, stubs
+from stubs import EngineModel, completion, held_by, node, post, router_config, running_router, stubs
 
-from kvtier.client import KvtierClient
-from kvtier.config import ServerConfig
-from kvtier.keys import chunk_keys
 from kvtier.prom import samples
 from kvtier.router.config import CostModel
-from kvtier.server import EmbeddedServer, NodeServer
 
 CHUNK = 16
 PREFIX = [9000 + t for t in range(40 * CHUNK)]  # 40 chunks every request shares
 BURST = 24
-
-
-def node(root: Path, shared: Path | None) -> NodeServer:
-    tiers = [] if shared is None else [{
-        "type": "fs", "name": "shared", "capacity_bytes": 64 << 20, "io_threads": 2,
-        "options": {"path": str(shared), "journal_interval_s": 0.05, "poll_s": 0.1,
-                    "sweep_interval_s": 600}}]
-    config = ServerConfig.from_dict({
-        "socket_path": str(root / "kvtier.sock"), "metrics_port": 0, "tiers": tiers,
-        "arena": {"size_bytes": 256 * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
-                  "free_target": 0.0}})
-    return EmbeddedServer(config).start()
-
-
-def held_by(server: NodeServer, tokens: list[int]) -> list[str]:
-    with KvtierClient(server.socket_path) as client:
-        return list(client.lookup(chunk_keys(NS, tokens, CHUNK)))
 
 
 async def burst(tmp_path: Path, shared: bool) -> tuple[dict[str, int], Any, list[str]]:
