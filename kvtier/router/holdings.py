@@ -8,7 +8,11 @@ what each node server answered for ``ttl_s`` and adds what it did itself since:
   every chunk it computes or loads there);
 - and in every *shared* tier of that node server, so on every other node server that names
   the same shared tier in its answers (each answer lists its server's shared tiers): another
-  instance loads it from there.
+  instance loads it from there, at the pace that node server's last answer showed for that
+  tier. A lower tier's pace is its queue's (each answer's arrivals count the reads queued
+  there), which changes as fast as requests come and go: it stands for :data:`PACE_S` only,
+  and a node server that has not answered within it is asked (about one lookup per node
+  server a second, however many decisions).
 
 From this, :meth:`Holdings.recall` answers a lookup without sending it when the router's
 knowledge reaches as far as an answer would: walking the prompt's chunks, each is remembered
@@ -42,6 +46,9 @@ MAX_SHARED = 8
 """At most this many shared tier names are kept from one answer (more are a broken or
 hostile node server)."""
 MAX_NAME = 64
+PACE_S = 1.0
+"""How long a node server's pace for a tier below the arena (seconds a chunk, as its last
+answer with chunks there gave them) stands for the arrivals of recalled chunks there."""
 DEFAULT_MAX_KEYS = 1 << 17
 """Chunks remembered per node server by default: ~3,700 conversations of 35 chunks."""
 
@@ -52,9 +59,10 @@ class Node:
 
     chunks: OrderedDict[ChunkKey, tuple[str | None, float]] = field(default_factory=OrderedDict)
     shared: frozenset[str] = frozenset()
-    per_chunk_s: dict[str, float] = field(default_factory=dict)
-    """Per tier below the arena, the seconds its answers gave each chunk of a run from it
-    (the last chunk's arrival over the run's chunks there): arrivals of recalled chunks."""
+    per_chunk_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per tier below the arena, the seconds its last answer with chunks there gave each
+    (the last one's arrival over their count), and when: the arrivals of recalled chunks,
+    for :data:`PACE_S`."""
 
 
 class Holdings:
@@ -75,9 +83,11 @@ class Holdings:
     # ------------------------------------------------------------------ learning
 
     def learn(self, url: str, keys: Sequence[ChunkKey], answer: Answer,
-              shared: Iterable[str] | None = None) -> None:
+              shared: Iterable[str] | None = None, asked_at: float | None = None) -> None:
         """A node server's answer for ``keys`` (its held run, then the first chunk it does
-        not hold), and the shared tiers it named (None: not said, the last kept)."""
+        not hold), and the shared tiers it named (None: not said, the last kept).
+        ``asked_at`` (this memory's clock): what the router learned after the lookup left —
+        a prompt it sent meanwhile, whose answer was not waited for — is newer, and kept."""
         if not self.enabled:
             return
         node = self._nodes.setdefault(url, Node())
@@ -85,17 +95,21 @@ class Holdings:
             node.shared = frozenset(shared)
         tiers, arrivals = answer
         now = self.clock()
+        since = now if asked_at is None else asked_at
         runs: dict[str, tuple[int, float]] = {}
         for key, tier, arrival in zip(keys, tiers, arrivals, strict=False):
-            self._put(node, key, tier, now)
+            if not self._newer(node, key, since):
+                self._put(node, key, tier, now)
             self._tell(key)
             if tier != ARENA:
                 count, latest = runs.get(tier, (0, 0.0))
                 runs[tier] = (count + 1, max(latest, arrival))
-        if len(tiers) < len(keys) and keys[len(tiers)] not in keys[:len(tiers)]:
-            self._put(node, keys[len(tiers)], None, now)
+        stop = keys[len(tiers)] if len(tiers) < len(keys) else None
+        if stop is not None and stop not in keys[:len(tiers)] and not self._newer(
+                node, stop, since):
+            self._put(node, stop, None, now)
         for tier, (count, latest) in runs.items():
-            node.per_chunk_s[tier] = latest / count
+            node.per_chunk_s[tier] = (latest / count, now)
         self._trim(node)
 
     def sent(self, url: str, keys: Sequence[ChunkKey]) -> None:
@@ -114,7 +128,8 @@ class Holdings:
                 continue
             for key in keys:
                 held = other.chunks.get(key)
-                if held is None or held[0] is None or now - held[1] > self.ttl_s:
+                if (held is None or held[0] in (None, common[0])
+                        or now - held[1] > self.ttl_s):
                     self._put(other, key, common[0], now)
             self._trim(other)
 
@@ -137,7 +152,8 @@ class Holdings:
         node = self._nodes.get(url)
         if not self.enabled or node is None:
             return None
-        oldest = self.clock() - self.ttl_s
+        now = self.clock()
+        oldest = now - self.ttl_s
         tiers: list[str] = []
         arrivals: list[float] = []
         runs: dict[str, int] = {}
@@ -154,11 +170,12 @@ class Holdings:
             tiers.append(tier)
             if tier == ARENA:
                 arrivals.append(0.0)
-            elif tier not in node.per_chunk_s:
-                return None  # its pace there was never answered: ask
-            else:
-                runs[tier] = runs.get(tier, 0) + 1
-                arrivals.append(runs[tier] * node.per_chunk_s[tier])
+                continue
+            pace = node.per_chunk_s.get(tier)
+            if pace is None or pace[1] < now - PACE_S:
+                return None  # how fast it reads there now was not answered lately: ask
+            runs[tier] = runs.get(tier, 0) + 1
+            arrivals.append(runs[tier] * pace[0])
         return tuple(tiers), tuple(arrivals)
 
     def recall_all(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]]
@@ -176,6 +193,11 @@ class Holdings:
         return 0 if node is None else len(node.chunks)
 
     # ------------------------------------------------------------------ bounds
+
+    @staticmethod
+    def _newer(node: Node, key: ChunkKey, than: float) -> bool:
+        held = node.chunks.get(key)
+        return held is not None and held[1] > than
 
     def _put(self, node: Node, key: ChunkKey, tier: str | None, now: float) -> None:
         node.chunks[key] = (tier, now)

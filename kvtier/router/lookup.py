@@ -114,6 +114,7 @@ class NodeLookups:
         if ticket is None:
             return NOTHING
         probe = ticket == PROBE
+        asked_at = self.holdings.clock() if self.holdings is not None else None
         body = {"keys": [k.hex() for k in keys]}
         cap = ANSWER_BYTES_PER_KEY * len(keys) + ANSWER_BYTES
         try:
@@ -149,7 +150,7 @@ class NodeLookups:
         n = min(len(tiers), len(arrival))
         answer = tiers[:n], arrival[:n]
         if self.holdings is not None:
-            self.holdings.learn(url, keys, answer, shared_tiers(doc.get("shared")))
+            self.holdings.learn(url, keys, answer, shared_tiers(doc.get("shared")), asked_at)
         return answer
 
 

@@ -16,8 +16,9 @@ from aiohttp import web
 from stubs import EngineModel, completion, held_by, node, post, router_config, running_router, stubs
 
 from kvtier.keys import ChunkKey
+from kvtier.router import holdings
 from kvtier.router.config import CostModel
-from kvtier.router.holdings import ARENA, MAX_NAME, MAX_SHARED, Holdings, shared_tiers
+from kvtier.router.holdings import ARENA, MAX_NAME, MAX_SHARED, PACE_S, Holdings, shared_tiers
 from kvtier.router.lookup import NodeLookups
 
 A, B = "http://node-a", "http://node-b"
@@ -67,6 +68,28 @@ def test_a_prompt_sent_is_in_its_arena_and_in_a_tier_the_others_share() -> None:
     assert h.recall("http://node-c", prompt) is None, "told about, not held there: asked"
 
 
+def test_a_lower_tier_whose_pace_was_not_answered_lately_is_asked() -> None:
+    """B's chunks in the shared tier stay remembered while prompts keep going to A, but how
+    fast B reads them there is its queue's: once B's last answer with chunks there is older
+    than ``PACE_S``, B is asked; an answer about any other prompt renews it."""
+    clock = Clock()
+    h = Holdings(30.0, clock=clock)
+    system = keys(0, 2)
+    h.learn(A, system, (("arena", "arena"), (0.0, 0.0)), ["fs"])
+    h.learn(B, system, ((), ()), ["fs"])
+    h.sent(A, system)
+    assert h.recall(B, system) is None, "B never said how fast its fs reads"
+    h.learn(B, system, (("fs", "fs"), (0.005, 0.01)), ["fs"])
+    assert h.recall(B, system) == (("fs", "fs"), (0.005, 0.01))
+    for _ in range(3):
+        clock.now += PACE_S / 2
+        h.sent(A, system)
+    assert h.recall(A, system) == (("arena", "arena"), (0.0, 0.0))
+    assert h.recall(B, system) is None
+    h.learn(B, keys(7, 1), (("fs",), (0.002,)), ["fs"])
+    assert h.recall(B, system) == (("fs", "fs"), (0.002, 0.004)), "its chunks were kept"
+
+
 def test_new_text_is_recalled_as_held_by_nobody() -> None:
     """A turn's new chunks were never told about: the memory's answer stops before them,
     as any node server's would; a chunk one node server answered holding is not new."""
@@ -90,6 +113,27 @@ def test_a_conversation_back_after_its_memory_expired_is_asked_not_taken_for_new
     h.sent(B, prompt)
     clock.now += 60
     assert h.recall(A, prompt) is None and h.recall(B, prompt) is None
+
+
+def test_an_answer_that_left_before_a_prompt_was_sent_does_not_undo_it() -> None:
+    """A lookup of B leaves, the decision does not wait for it and sends the prompt to A
+    (now in the shared tier B reads); B's answer, from before, arrives after: it does not
+    unlearn what the sending taught about B, and teaches the rest."""
+    clock = Clock()
+    h = Holdings(30.0, clock=clock)
+    system = keys(0, 2)
+    h.learn(A, system, (("arena", "arena"), (0.0, 0.0)), ["fs"])
+    h.learn(B, system, (("fs", "fs"), (0.002, 0.004)), ["fs"])
+    prompt = system + keys(10, 2)
+    asked_at = clock.now
+    clock.now += 0.01
+    h.sent(A, prompt)
+    clock.now += 0.01
+    h.learn(B, prompt, (("fs", "fs"), (0.002, 0.004)), ["fs"], asked_at)
+    tiers, _ = h.recall(B, prompt) or ((), ())
+    assert tiers == ("fs",) * 4
+    h.learn(B, prompt, (("fs", "fs"), (0.002, 0.004)), ["fs"])
+    assert h.recall(B, prompt) == (("fs", "fs"), (0.002, 0.004)), "a fresh answer wins"
 
 
 def test_a_contradicted_or_forgotten_node_server_is_asked_again() -> None:
@@ -195,12 +239,15 @@ def test_lookups_send_only_what_memory_cannot_answer_over_real_http() -> None:
     asyncio.run(main())
 
 
-def test_a_conversation_on_a_shared_tier_stops_asking_node_servers(tmp_path: Path) -> None:
+def test_a_conversation_on_a_shared_tier_stops_asking_node_servers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two real node servers sharing an ``fs`` tier, stub engines that store what they
     compute, the router in front, one conversation of five turns (a new chunk each). The
     first turns ask (nothing remembered; then a node server whose shared tier's pace it has
     not answered); the last asks none, and every turn's predicted source of its prompt is the
-    one the engine reports. With the memory off, every turn asks."""
+    one the engine reports. With the memory off, every turn asks. (A lower tier's pace is
+    held longer than in production: turns here wait for the journal between them.)"""
+    monkeypatch.setattr(holdings, "PACE_S", 60.0)
     prefix = [9000 + t for t in range(40 * 16)]
 
     async def conversation(memory_s: float) -> tuple[list[float], dict[bool, float]]:
