@@ -358,6 +358,8 @@ _FRONTS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "with the measured crowding of decoding streams counted (--decode-weight 1)"),
     ("cache-w0", "kvtier", "cache", ("--decode-weight=0",), "kvtier route, cache-aware, "
      "prefill queues only: decoding streams not counted (--decode-weight 0)"),
+    ("cache-ask", "kvtier", "cache", ("--lookup-memory-s=0",), "kvtier route, cache-aware, "
+     "asking the node servers on every decision (--lookup-memory-s 0: no memory of answers)"),
     ("vllm-router", "vllm-router", "cache_aware", (), "vLLM's own router (cache_aware)"),
     ("vllm-router-rr", "vllm-router", "round_robin", (), "vLLM's own router (round_robin)"),
     ("vllm-router-kv", "vllm-router", "kv_aware", (), "vLLM's own router (kv_aware, on the "
