@@ -37,16 +37,16 @@ from kvtier.server import EmbeddedServer, NodeServer
 MODEL = "stub-model"
 
 
-def node(root: Path, shared: Path | None, chunk: int = 16) -> NodeServer:
-    """A real node server on ``root`` (HTTP API on a free port) with, if ``shared`` is
-    given, an ``fs`` tier named ``shared`` in that folder."""
+def node(root: Path, shared: Path | None = None, slots: int = 256) -> NodeServer:
+    """A real node server on ``root`` (HTTP API on a free port, an arena of ``slots``) with,
+    if ``shared`` is given, an ``fs`` tier named ``shared`` in that folder."""
     tiers = [] if shared is None else [{
         "type": "fs", "name": "shared", "capacity_bytes": 64 << 20, "io_threads": 2,
         "options": {"path": str(shared), "journal_interval_s": 0.05, "poll_s": 0.1,
                     "sweep_interval_s": 600}}]
     config = ServerConfig.from_dict({
         "socket_path": str(root / "kvtier.sock"), "metrics_port": 0, "tiers": tiers,
-        "arena": {"size_bytes": 256 * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
                   "free_target": 0.0}})
     return EmbeddedServer(config).start()
 
@@ -54,6 +54,16 @@ def node(root: Path, shared: Path | None, chunk: int = 16) -> NodeServer:
 def held_by(server: NodeServer, tokens: list[int], chunk: int = 16) -> list[str]:
     with KvtierClient(server.socket_path) as client:
         return list(client.lookup(chunk_keys(NS, tokens, chunk)))
+
+
+def with_engines(backends: list[StubBackend], nodes: list[NodeServer], speed: float,
+                 chunk_tokens: int = 16) -> list[str]:
+    """Gives each stub backend an :class:`EngineModel` on its node server (registered
+    there, as the connector registers); returns the node servers' HTTP URLs, in order."""
+    for backend, server in zip(backends, nodes, strict=True):
+        backend.engine = EngineModel(server, chunk_tokens=chunk_tokens, speed=speed)
+        backend.engine.register()
+    return [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
 
 
 @dataclass

@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from stubs import EngineModel, completion, held_by, node, post, router_config, running_router, stubs
+from stubs import (
+    completion,
+    held_by,
+    node,
+    post,
+    router_config,
+    running_router,
+    stubs,
+    with_engines,
+)
 
 from kvtier.prom import samples
 from kvtier.router.config import CostModel
@@ -28,13 +37,8 @@ BURST = 24
 async def burst(tmp_path: Path, shared: bool) -> tuple[dict[str, int], Any, list[str]]:
     nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
     try:
-        engines = [EngineModel(n, chunk_tokens=CHUNK, speed=4000) for n in nodes]
-        for e in engines:
-            e.register()
         async with stubs(2) as backends:
-            for b, e in zip(backends, engines, strict=True):
-                b.engine = e
-            servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
+            servers = with_engines(backends, nodes, speed=4000, chunk_tokens=CHUNK)
             # everything shares this process's GIL here: give lookups more than the
             # default 0.1 s, so a burst measures the strategy, not the test's contention
             cost = CostModel(lookup_timeout_s=2.0)
@@ -98,14 +102,10 @@ async def staggered(tmp_path: Path, shared: bool, speed: float, weight: float = 
     Returns where the staggered ones went and the slope measured (one for the pool)."""
     nodes = [node(tmp_path / n, tmp_path / "shared" if shared else None) for n in "ab"]
     try:
-        engines = [EngineModel(n, chunk_tokens=CHUNK, speed=speed) for n in nodes]
-        for e in engines:
-            e.register()
         async with stubs(2) as backends:
-            for b, e in zip(backends, engines, strict=True):
-                b.engine, b.tokens, b.token_s = e, 9, 0.05
-                b.token_s_per_stream = per_stream_s
-            servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
+            servers = with_engines(backends, nodes, speed=speed, chunk_tokens=CHUNK)
+            for b in backends:
+                b.tokens, b.token_s, b.token_s_per_stream = 9, 0.05, per_stream_s
             cost = CostModel(lookup_timeout_s=2.0, decode_weight=weight)
             async with running_router(router_config(
                     backends, strategy="cache", kvtier_servers=servers, cost=cost)) as router, \

@@ -13,7 +13,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from stubs import EngineModel, completion, held_by, node, post, router_config, running_router, stubs
+from stubs import (
+    completion,
+    held_by,
+    node,
+    post,
+    router_config,
+    running_router,
+    stubs,
+    with_engines,
+)
 
 from kvtier.keys import ChunkKey
 from kvtier.router import holdings
@@ -254,13 +263,8 @@ def test_a_conversation_on_a_shared_tier_stops_asking_node_servers(
         root = tmp_path / f"m{memory_s}"
         nodes = [node(root / n, root / "shared") for n in "ab"]
         try:
-            engines = [EngineModel(n, speed=4000) for n in nodes]
-            for e in engines:
-                e.register()
             async with stubs(2) as backends:
-                for b, e in zip(backends, engines, strict=True):
-                    b.engine = e
-                servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
+                servers = with_engines(backends, nodes, speed=4000)
                 # the stub engines have no device cache: the router's device history must
                 # not outlive a turn
                 cost = CostModel(lookup_timeout_s=2.0, lookup_memory_s=memory_s,

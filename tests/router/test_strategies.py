@@ -7,18 +7,16 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from store_helpers import SLOT_BYTES
-from stubs import EngineModel, completion, post, router_config, running_router, stubs
-
-from kvtier.config import ServerConfig
-from kvtier.server import EmbeddedServer, NodeServer
-
-
-def node_server(root: Path, slots: int = 8) -> NodeServer:
-    return EmbeddedServer(ServerConfig.from_dict({
-        "socket_path": str(root / "kvtier.sock"), "metrics_port": 0,
-        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
-                  "free_target": 0.0}})).start()
+from stubs import (
+    EngineModel,
+    completion,
+    node,
+    post,
+    router_config,
+    running_router,
+    stubs,
+    with_engines,
+)
 
 
 def served_by(headers: dict[str, str]) -> str:
@@ -76,10 +74,10 @@ def test_session_sticks_to_one_backend_and_only_a_dead_ones_sessions_move() -> N
 
 def test_prefix_hashes_the_leading_chunks(tmp_path: Path) -> None:
     async def main() -> None:
-        node = node_server(tmp_path)
+        server = node(tmp_path, slots=8)
         try:
-            EngineModel(node, chunk_tokens=16).register()
-            node_url = f"http://127.0.0.1:{node.metrics_port}"
+            EngineModel(server, chunk_tokens=16).register()
+            node_url = f"http://127.0.0.1:{server.metrics_port}"
             async with stubs(3) as backends, running_router(router_config(
                     backends, strategy="prefix", kvtier_servers=[node_url] * 3)) as router:
                 await asyncio.sleep(0.3)  # a health round reads the namespaces
@@ -96,21 +94,16 @@ def test_prefix_hashes_the_leading_chunks(tmp_path: Path) -> None:
                     "kvtier_router_decisions_total", {"strategy": "prefix", "reason": "short"})
                 assert text == 3
         finally:
-            node.stop()
+            server.stop()
     asyncio.run(main())
 
 
 def test_cache_strategy_prefers_the_backend_holding_the_prefix(tmp_path: Path) -> None:
     async def main() -> None:
-        nodes = [node_server(tmp_path / n, slots=64) for n in "ab"]
+        nodes = [node(tmp_path / n, slots=64) for n in "ab"]
         try:
-            engines = [EngineModel(node, chunk_tokens=16, speed=4000) for node in nodes]
-            for engine in engines:
-                engine.register()
             async with stubs(2) as backends:
-                for b, e in zip(backends, engines, strict=True):
-                    b.engine = e
-                servers = [f"http://127.0.0.1:{n.metrics_port}" for n in nodes]
+                servers = with_engines(backends, nodes, speed=4000)
                 async with running_router(router_config(
                         backends, strategy="cache", kvtier_servers=servers)) as router:
                     await asyncio.sleep(0.3)
@@ -131,6 +124,6 @@ def test_cache_strategy_prefers_the_backend_holding_the_prefix(tmp_path: Path) -
                         {"predicted": "arena", "actual": "arena"})
                     assert hits == 6, "predicted from the lookups = reported by the engine"
         finally:
-            for node in nodes:
-                node.stop()
+            for server in nodes:
+                server.stop()
     asyncio.run(main())

@@ -14,8 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from store_helpers import NS
-from stubs import EngineModel, completion, post, router_config, running_router, stubs
-from test_strategies import node_server
+from stubs import EngineModel, completion, node, post, router_config, running_router, stubs
 
 from kvtier.errors import ConfigError
 from kvtier.keys import chunk_keys
@@ -53,11 +52,11 @@ def test_tenant_b_never_sees_or_loads_tenant_a_prefix(tmp_path: Path) -> None:
     tenants = load_tenants(str(tenants_file(tmp_path)), None, b"router-salt-secret-0123")
 
     async def main() -> None:
-        node = node_server(tmp_path / "node", slots=64)
+        server = node(tmp_path / "node", slots=64)
         try:
-            engine = EngineModel(node, chunk_tokens=16, speed=20000)
+            engine = EngineModel(server, chunk_tokens=16, speed=20000)
             engine.register()
-            node_url = f"http://127.0.0.1:{node.metrics_port}"
+            node_url = f"http://127.0.0.1:{server.metrics_port}"
             async with stubs(1) as backends, running_router(router_config(
                     backends, strategy="cache", kvtier_servers=[node_url],
                     tenants=tenants)) as router, aiohttp.ClientSession() as s:
@@ -95,7 +94,7 @@ def test_tenant_b_never_sees_or_loads_tenant_a_prefix(tmp_path: Path) -> None:
                 assert all(b["headers"].get("Authorization") is None
                            for b in backends[0].seen), "tenant keys never reach a backend"
         finally:
-            node.stop()
+            server.stop()
     asyncio.run(main())
 
 
