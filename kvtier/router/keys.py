@@ -119,7 +119,7 @@ class RequestKeys:
         """The body's size in bytes: what bounds rendering it on the event loop (None: not
         known, never on the loop)."""
         self.renderers = renderers
-        self._tokens: dict[str, list[int] | None] = {}
+        self._tokens: dict[str, Sequence[int] | None] = {}
         self._keys: dict[bytes, PromptKeys | None] = {}
         self.keying_s = 0.0
         """Time spent computing this request's tokens and keys (each computed once)."""
@@ -136,7 +136,7 @@ class RequestKeys:
             self.keying_s += time.perf_counter() - start
         return self._keys[ns.fingerprint]
 
-    async def tokens(self, tokenizer: str) -> list[int] | None:
+    async def tokens(self, tokenizer: str) -> Sequence[int] | None:
         ids = self._given_ids()
         if ids is not None:
             return ids
@@ -147,7 +147,7 @@ class RequestKeys:
             self._tokens[tokenizer] = None if renderer is None else await self._encode(renderer)
         return self._tokens[tokenizer]
 
-    async def _encode(self, renderer: PromptRenderer) -> list[int] | None:
+    async def _encode(self, renderer: PromptRenderer) -> Sequence[int] | None:
         """On the event loop when it is cheap (a small body whose text the tokenizer has
         mostly seen: a conversation's next turn), in a thread otherwise. A thread costs two
         wake-ups and a wait for the GIL, milliseconds on a machine whose cores the engines

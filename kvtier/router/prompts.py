@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar, Protocol
@@ -56,7 +56,7 @@ class Encoding(Protocol):
     @property
     def cost_chars(self) -> int: ...
 
-    def finish(self) -> list[int]: ...
+    def finish(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Whole:
         return self.encode(self.text)
 
 
-def finish(encoding: Encoding) -> list[int] | None:
+def finish(encoding: Encoding) -> Sequence[int] | None:
     """``encoding``'s tokens, or None if the tokenizer failed on them."""
     try:
         return encoding.finish()
@@ -109,7 +109,8 @@ class PromptRenderer:
     def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids, or None when they cannot be computed exactly here."""
         encoding = self.prepare(endpoint, body)
-        return None if encoding is None else finish(encoding)
+        tokens = None if encoding is None else finish(encoding)
+        return None if tokens is None else list(tokens)
 
     def prepare(self, endpoint: str, body: dict[str, Any]) -> Encoding | None:
         """The prompt rendered to text (or read as ids), the tokenizer not run yet: its

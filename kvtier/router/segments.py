@@ -41,7 +41,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -61,7 +61,8 @@ what everyone else's conversations keep."""
 CHECK_FIRST = 8
 CHECK_EVERY = 64
 
-_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+_CUT = re.compile(r"\n(?<=\S\n)(?=\S)")
+"""A line break between two non-blank characters: a cut goes right after it."""
 _INSIDE = re.compile(r"\n\S")
 
 
@@ -91,7 +92,7 @@ class SegmentEncoder:
         """Characters whose tokens came from a kept segment."""
 
     def __call__(self, text: str) -> list[int]:
-        return self.prepare(text).finish()
+        return list(self.prepare(text).finish())
 
     def prepare(self, text: str) -> Prepared:
         """``text`` cut and looked up, nothing encoded yet: :attr:`Prepared.cost_chars` says
@@ -110,30 +111,33 @@ class SegmentEncoder:
                       for segment, digest in zip(segments, digests, strict=True)]
         return Prepared(self, text, pieces, check)
 
-    def finish(self, prepared: Prepared) -> list[int]:
+    def finish(self, prepared: Prepared) -> Sequence[int]:
         """The tokens of a text :meth:`prepare` cut: the pieces not kept encoded (and kept),
-        the whole text too when a check is due."""
+        the whole text too when a check is due. Segmented, they are an ``array("i")``: what
+        the kept pieces are, copied without a Python int each."""
         if prepared.pieces is None:
             return self._encode(prepared.text)
         tokens = self._segmented(prepared.pieces)
         if not prepared.check:
             return tokens
         whole = self._encode(prepared.text)
-        if whole != tokens:
+        if array("i", whole) != tokens:
             self._turn_off()
         return whole
 
     def segments(self, text: str) -> list[str]:
         """``text`` cut where :data:`_CUT` allows, each piece but the last ≥ ``min_chars``."""
         cuts = [0]
-        for match in _CUT.finditer(text, self.min_chars):
-            if match.start() - cuts[-1] >= self.min_chars:
-                cuts.append(match.start())
+        # one search per cut, each from a segment's length past the last: the text between
+        # is never scanned (a conversation's history is one or two searches, not thousands
+        # of candidate line breaks)
+        while (match := _CUT.search(text, cuts[-1] + self.min_chars - 1)) is not None:
+            cuts.append(match.end())
         cuts.append(len(text))
         return [text[a:b] for a, b in pairwise(cuts) if b > a]
 
-    def _segmented(self, pieces: list[_Piece]) -> list[int]:
-        out: list[int] = []
+    def _segmented(self, pieces: list[_Piece]) -> array[int]:
+        out = array("i")
         for i, piece in enumerate(pieces):
             with self._lock:
                 # kept since it was prepared (by another request, or here)?
@@ -214,7 +218,7 @@ class Prepared:
         new = sum(len(p.text) for p in self.pieces if p.kept is None)
         return new + (len(self.text) if self.check else 0)
 
-    def finish(self) -> list[int]:
+    def finish(self) -> Sequence[int]:
         return self.encoder.finish(self)
 
 

@@ -183,7 +183,7 @@ def router_keys(inst: Instance, endpoint: str, body: dict[str, Any]) -> tuple[li
         tokens = await keys.tokens(ns.tokenizer)
         got = await keys.keys(ns)
         assert tokens is not None and got is not None
-        return tokens, [k.hex() for k in got.keys]
+        return list(tokens), [k.hex() for k in got.keys]
     return asyncio.run(compute())
 
 

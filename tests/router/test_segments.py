@@ -132,6 +132,28 @@ def test_cuts_depend_only_on_the_text_before_them() -> None:
         assert head[:-1] == whole[:max(len(head) - 1, 0)]  # all but the last are the same
 
 
+def test_cuts_are_every_allowed_place_a_segment_apart() -> None:
+    """The cuts are what scanning every line break between two non-blank characters in
+    order, and taking each one at least ``min_chars`` past the last, gives: blanks,
+    breaks at the edges, runs of breaks and non-ASCII blanks included."""
+    import re
+
+    def reference(text: str, min_chars: int) -> list[str]:
+        cuts = [0]
+        for match in re.finditer(r"(?<=\S\n)(?=\S)", text):
+            if match.start() - cuts[-1] >= min_chars:
+                cuts.append(match.start())
+        return [text[a:b] for a, b in zip(cuts, [*cuts[1:], len(text)], strict=True) if b > a]
+
+    rng = random.Random(5)
+    for _ in range(300):
+        min_chars = rng.choice([1, 2, 3, 8, 64])
+        encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=min_chars)
+        text = "".join(rng.choice(["a", "b ", "\n", "c\n", "\n\n", " ", "\u00a0", "\u3000\n",
+                                   "\t", "東"]) for _ in range(rng.randrange(0, 400)))
+        assert encoder.segments(text) == reference(text, min_chars), (text, min_chars)
+
+
 def test_a_tokenizer_that_does_not_cut_cleanly_is_caught_and_answered_whole(
         caplog: pytest.LogCaptureFixture) -> None:
     def with_length(text: str) -> list[int]:  # every piece's tokens start with its length
