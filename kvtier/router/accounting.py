@@ -3,7 +3,8 @@
 Counts every answer by backend, endpoint and status, its latency and first byte; for the
 ``cache`` strategy's predictions, the predicted and the reported sources of the prompt's
 tokens (``kv_transfer_params.kvtier.tokens``); and, from a request that had its backend to
-itself, a prefill-speed sample (recomputed tokens over TTFT less load time) and, from
+itself, a prefill-speed sample (recomputed tokens over TTFT less load time; a backend not
+measured yet takes its measured peers' mean) and, from
 streams, the time between chunks and the time from first to last byte (decoding), and the
 time between chunks against the streams that decoded beside it (the step model).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtier.router.backends import Backend
+from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.cost import RECOMPUTED, dominant
 from kvtier.router.load import Flight
 from kvtier.router.metrics import RouterMetrics
@@ -23,9 +24,12 @@ from kvtier.router.strategies import Decision
 
 
 class Accounting:
-    def __init__(self, metrics: RouterMetrics, min_sample_tokens: int) -> None:
+    def __init__(self, metrics: RouterMetrics, min_sample_tokens: int,
+                 pool: BackendPool | None = None) -> None:
         self.metrics = metrics
         self.min_sample_tokens = min_sample_tokens
+        self.pool = pool
+        """Whose unmeasured backends take their measured peers' prefill speed."""
 
     def record(self, req: RoutedRequest, decision: Decision, outcome: Outcome,
                  flight: Flight | None, received: float) -> dict[str, int] | None:
@@ -80,6 +84,8 @@ class Accounting:
         prefill = ttft - pred.load_s
         if prefill > 0.001:
             backend.load.speed.add(recomputed / prefill)
+            if self.pool is not None:
+                self.pool.share_speed()
 
 
 def _actual_sources(doc: dict[str, Any] | None) -> dict[str, int] | None:

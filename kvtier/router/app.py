@@ -68,8 +68,8 @@ class Router:
         self.metrics = RouterMetrics()
         if config.parts_file:
             self.metrics.registry.register(PartsCollector(Path(config.parts_file)))
-        self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens)
         self.pool = BackendPool(config)
+        self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens, self.pool)
         self.pool.listeners.append(self._on_health)
         self.renderers = Renderers()
         self.history = DeviceHistory(config.cost.device_ttl_s)

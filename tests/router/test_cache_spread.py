@@ -86,7 +86,8 @@ def test_a_shared_tier_lets_load_win(tmp_path: Path) -> None:
     print(f"\nshared tier: {counts} of a burst of {BURST}")
     assert counts["other"] >= BURST // 4, counts
     assert counts["warm"] >= BURST // 4, counts
-    assert decisions(registry, "load") >= BURST // 4, "the other won on its queue"
+    # once the other holds it too, later ones go there on a tie (affinity): some on load
+    assert decisions(registry, "load") >= BURST // 8, "the other won on its queue"
     shared_hits = registry.get_sample_value("kvtier_router_hit_source_total",
                                             {"predicted": "shared", "actual": "shared"})
     assert shared_hits and shared_hits >= 1, "the other instance loaded from the shared tier"

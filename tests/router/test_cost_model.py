@@ -208,3 +208,40 @@ def test_a_pool_measures_one_step_model_for_all_its_backends() -> None:
     b.start(0.1, now=0.0)
     assert a.crowding_s() == pytest.approx(1.5 * 1 * 0.002 * 32)
     assert b.crowding_s() == pytest.approx(2 * a.crowding_s())
+
+
+def test_a_backend_not_measured_yet_takes_its_peers_prefill_speed() -> None:
+    """Until its own first sample, a backend's prefill speed is its measured peers' mean,
+    not --prefill-tokens-per-s: a default twice the measured speed made recomputing there
+    look twice as quick as it was, and drew a burst away from the backend holding it."""
+    from kvtier.router.accounting import Accounting
+    from kvtier.router.backends import Backend
+    from kvtier.router.cost import Prediction
+    from kvtier.router.keys import Renderers
+    from kvtier.router.metrics import RouterMetrics
+    from kvtier.router.proxy import Outcome
+    from kvtier.router.request import RoutedRequest
+    from kvtier.router.strategies import Decision
+
+    config = RouterConfig(("http://a:1", "http://b:1", "http://c:1"), (None, None, None))
+    pool = BackendPool(config)
+    a, b, c = pool
+    assert b.load.speed.value == config.cost.prefill_tokens_per_s
+    accounting = Accounting(RouterMetrics(), config.cost.min_sample_tokens, pool)
+    req = RoutedRequest.parse("/v1/completions", b'{"prompt": [1, 2, 3]}', None, Renderers())
+
+    def answered(backend: Backend, prefill_s: float) -> None:
+        pred = Prediction(2500, prefill_s, 0.0, 0.0, prefill_s, {"recomputed": 2500})
+        fid = backend.load.start(prefill_s, now=0.0)
+        flight = backend.load.finish(fid, now=prefill_s)
+        assert flight is not None
+        outcome = Outcome(status=200, streamed=True, first_byte=flight.sent + prefill_s)
+        accounting.record(req, Decision(backend, "cold", pred), outcome, flight, 0.0)
+
+    answered(a, 1.0)  # 2,500 tokens/s
+    assert a.load.speed.value == pytest.approx(2500)
+    assert b.load.speed.value == c.load.speed.value == pytest.approx(2500)
+    answered(b, 0.5)  # 5,000 tokens/s: b's own from now on
+    assert b.load.speed.value == pytest.approx(5000)
+    assert c.load.speed.value == pytest.approx(3750), "the mean of the measured"
+    assert a.load.speed.value == pytest.approx(2500), "a measured speed is its own"
