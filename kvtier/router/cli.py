@@ -81,10 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "each stream decoding there slows the others' steps, from streamed "
                    "answers) counts in a newcomer's score there; 1: as measured, 0: only "
                    "prefill queues count (default: %(default)s; docs/router.md)")
-    p.add_argument("--balance-within-s", type=float, default=CostModel.balance_within_s,
-                   help="cache strategy: backends scoring within this many seconds of the "
-                   "best are equally good, and the one with fewest requests in flight wins "
-                   "(0: the best score wins; default: %(default)s; docs/router.md)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a backend silent for this long fails the request")
     p.add_argument("--parts-file", metavar="FILE",

@@ -41,10 +41,6 @@ class CostModel:
     """How much of a backend's measured crowding counts in a newcomer's score there: what
     the streams decoding beside it cost it, and it them (:meth:`BackendLoad.crowding_s`;
     1, the default: as measured; 0: only prefill queues count; docs/router.md)."""
-    balance_within_s: float = 0.0
-    """Backends whose scores are within this of the lowest are taken as equally good, and
-    the one with fewest requests in flight among them wins (then the turn): a difference
-    the estimate cannot resolve is not worth an imbalance (0: the lowest score wins)."""
 
 
 @dataclass(frozen=True)
@@ -112,8 +108,7 @@ class RouterConfig:
             device_ttl_s=_positive(args.device_ttl_s, "--device-ttl-s"),
             lookup_timeout_s=_positive(args.lookup_timeout_s, "--lookup-timeout-s"),
             lookup_memory_s=_non_negative(args.lookup_memory_s, "--lookup-memory-s"),
-            decode_weight=_weight(args.decode_weight, "--decode-weight"),
-            balance_within_s=_non_negative(args.balance_within_s, "--balance-within-s"))
+            decode_weight=_weight(args.decode_weight, "--decode-weight"))
         api_key = read_key(args.api_key_env, args.api_key_file, "--api-key")
         return cls(
             backends=backends, kvtier_servers=servers, strategy=args.strategy,

@@ -23,8 +23,7 @@ Reasons (of the answers in hand: a candidate not waited for counts its device hi
 only): ``affinity`` (the winner is where the prompt would be soonest if no backend had a
 queue: its cache won), ``load`` (another backend would be, but its queue made this one
 sooner), ``cold`` (nobody holds any of it: least wait), ``no_keys`` (the prompt could not be
-keyed: least wait), ``balance`` (another backend scored lowest, but by less than
-``balance_within_s``, and this one had fewer requests in flight or the turn).
+keyed: least wait).
 """
 
 from __future__ import annotations
@@ -68,12 +67,11 @@ class CacheAware(Strategy):
             return Decision(self._least_wait(candidates, self.ctx.clock()), "no_keys")
         known = next(k for k in keysets if k is not None)
         turn = next(self._turn)
-        band = self.ctx.config.cost.balance_within_s
         settled: list[list[Scored]] = []
 
         def enough(answers: Mapping[tuple[str, bytes], Answer]) -> bool:
             scored = self._score(candidates, keysets, known, answers, turn)
-            if _settled(scored, band):
+            if _settled(scored):
                 settled.append(scored)
             return bool(settled)
 
@@ -82,9 +80,8 @@ class CacheAware(Strategy):
         # in hand settled it: the winner is then the same whatever the rest would say
         scored = settled[-1] if settled else self._score(candidates, keysets, known, answers,
                                                          turn, final=True)
-        lowest = min(scored, key=lambda s: s.rank)
-        best = _balanced(scored, lowest, band)
-        reason = "balance" if best is not lowest else self._reason(best.backend, scored)
+        best = min(scored, key=lambda s: s.rank)
+        reason = self._reason(best.backend, scored)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("cache: %s (%s) among %s", best.backend.name, reason,
                       "; ".join(self._explain(s) for s in scored))
@@ -167,26 +164,12 @@ class CacheAware(Strategy):
             (ib[0] - turn) % len(candidates)))[1]
 
 
-def _balanced(scored: Sequence[Scored], lowest: Scored, band: float) -> Scored:
-    """Of the candidates scoring within ``band`` seconds of the ``lowest``, the one with
-    fewest requests in flight, then the turn (``--balance-within-s``)."""
-    if band <= 0:
-        return lowest
-    near = lowest.rank[0] + band
-    return min((s for s in scored if s.rank[0] <= near), key=lambda s: s.rank[1:])
-
-
-def _settled(scored: Sequence[Scored], band: float = 0.0) -> bool:
+def _settled(scored: Sequence[Scored]) -> bool:
     """The lowest rank is below what any other candidate could get, whatever the answers
-    still out say (an answer only lowers a rank: it can only add held chunks), and no
-    candidate still waited for could come within ``band`` of it; and the winner's own
-    prediction is final (answered, or at its bound already: its device cache holds the
-    prompt), so that what /metrics compares with the actual hit is what it would be with
-    every answer."""
+    still out say (an answer only lowers a rank: it can only add held chunks), and the
+    winner's own prediction is final (answered, or at its bound already: its device cache
+    holds the prompt), so that what /metrics compares with the actual hit is what it would
+    be with every answer."""
     best = min(scored, key=lambda s: s.rank)
-    if not (best.waited or best.rank == best.lowest):
-        return False
-    if band <= 0:
-        return all(best.rank < s.lowest for s in scored if s is not best)
-    return all(s.waited or best.rank[0] + band < s.lowest[0]
-               for s in scored if s is not best)
+    return ((best.waited or best.rank == best.lowest)
+            and all(best.rank < s.lowest for s in scored if s is not best))
