@@ -60,6 +60,9 @@ LARGEST_SHARE = 8
 what everyone else's conversations keep."""
 CHECK_FIRST = 8
 CHECK_EVERY = 64
+HEAD_TRIES = 16
+"""Of the first piece not kept, the last this many cut points are tried as the end of an
+earlier text's last piece (a conversation's previous turn ends a few lines before)."""
 
 _CUT = re.compile(r"\n(?<=\S\n)(?=\S)")
 """A line break between two non-blank characters: a cut goes right after it."""
@@ -80,6 +83,11 @@ class SegmentEncoder:
         self._lock = threading.Lock()
         self._kept: OrderedDict[bytes, array[int]] = OrderedDict()
         self._kept_cost = 0
+        self._ends: OrderedDict[bytes, array[int]] = OrderedDict()
+        """The last pieces of recent texts, where their conversations go on: a next turn's
+        piece that starts with one encodes only the rest. Bounded by an eighth of
+        ``max_tokens``, apart from :attr:`_kept`."""
+        self._ends_cost = 0
         self._calls = 0
         self.enabled = unsafe is None
         """False when the tokenizer is known not to cut cleanly (``unsafe`` says why), or
@@ -109,7 +117,32 @@ class SegmentEncoder:
         with self._lock:
             pieces = [_Piece(segment, digest, self._touch(digest))
                       for segment, digest in zip(segments, digests, strict=True)]
+        first = next((i for i, p in enumerate(pieces) if p.kept is None), None)
+        if first is not None:
+            pieces[first] = self._with_head(pieces[first])
         return Prepared(self, text, pieces, check)
+
+    def _with_head(self, piece: _Piece) -> _Piece:
+        """``piece`` with the tokens of the longest earlier last piece it starts with, that
+        ends at a cut point (:data:`_CUT`: what comes after it encodes alone), if any. One
+        pass of the hash over the piece, a copy of its state at each of the last
+        :data:`HEAD_TRIES` cut points."""
+        points = [m.end() for m in _CUT.finditer(piece.text)][-HEAD_TRIES:]
+        if not points:
+            return piece
+        h = hashlib.blake2b(digest_size=16)
+        done, digests = 0, []
+        for point in points:
+            h.update(piece.text[done:point].encode("utf-8", "surrogatepass"))
+            digests.append((point, h.copy().digest()))
+            done = point
+        with self._lock:
+            for point, digest in reversed(digests):
+                head = self._ends.get(digest)
+                if head is not None:
+                    self._ends.move_to_end(digest)
+                    return _Piece(piece.text, piece.digest, None, head, point)
+        return piece
 
     def finish(self, prepared: Prepared) -> Sequence[int]:
         """The tokens of a text :meth:`prepare` cut: the pieces not kept encoded (and kept),
@@ -137,7 +170,7 @@ class SegmentEncoder:
         return [text[a:b] for a, b in pairwise(cuts) if b > a]
 
     def _segmented(self, pieces: list[_Piece]) -> array[int]:
-        out = array("i")
+        out, last = array("i"), array("i")
         for i, piece in enumerate(pieces):
             with self._lock:
                 # kept since it was prepared (by another request, or here)?
@@ -145,13 +178,35 @@ class SegmentEncoder:
                 if kept is not None:
                     self.reused_chars += len(piece.text)
             if kept is None:
-                kept = array("i", self._encode(piece.text))
+                if piece.head is None:
+                    kept = array("i", self._encode(piece.text))
+                else:
+                    kept = piece.head + array("i", self._encode(piece.text[piece.head_chars:]))
                 # a last piece shorter than a segment is where the next turn goes on: never
-                # asked for again, not kept
+                # asked for again whole, not kept (but remembered as an end, below)
                 keep = i < len(pieces) - 1 or len(piece.text) >= self.min_chars
-                self._keep(piece.digest, kept, len(piece.text), keep)
+                self._keep(piece.digest, kept, len(piece.text) - piece.head_chars,
+                           piece.head_chars, keep)
             out.extend(kept)
+            last = kept
+        self._end(pieces[-1].digest, last)
         return out
+
+    def _end(self, digest: bytes, tokens: array[int]) -> None:
+        """Remember a text's last piece (the lock not held)."""
+        budget = self.max_tokens // LARGEST_SHARE
+        cost = len(tokens) + ENTRY_COST
+        with self._lock:
+            if not self.enabled or cost > budget // LARGEST_SHARE:
+                return
+            if digest in self._ends:
+                self._ends.move_to_end(digest)
+                return
+            self._ends[digest] = tokens
+            self._ends_cost += cost
+            while self._ends_cost > budget:
+                _, dropped = self._ends.popitem(last=False)
+                self._ends_cost -= len(dropped) + ENTRY_COST
 
     def _touch(self, digest: bytes) -> array[int] | None:
         """The kept tokens of a segment, now the most recently used (the lock held)."""
@@ -160,10 +215,12 @@ class SegmentEncoder:
             self._kept.move_to_end(digest)
         return kept
 
-    def _keep(self, digest: bytes, tokens: array[int], chars: int, keep: bool) -> None:
+    def _keep(self, digest: bytes, tokens: array[int], chars: int, reused: int,
+              keep: bool) -> None:
         cost = len(tokens) + ENTRY_COST
         with self._lock:
             self.encoded_chars += chars
+            self.reused_chars += reused
             if (not keep or not self.enabled or cost > self.max_tokens // LARGEST_SHARE
                     or digest in self._kept):
                 return
@@ -178,6 +235,8 @@ class SegmentEncoder:
             was, self.enabled = self.enabled, False
             self._kept.clear()
             self._kept_cost = 0
+            self._ends.clear()
+            self._ends_cost = 0
         if was:
             log.warning("tokenizer %s: encoding a prompt in segments gave other tokens than "
                         "encoding it whole; prompts are encoded whole from now on", self.name)
@@ -185,7 +244,8 @@ class SegmentEncoder:
     def stats(self) -> dict[str, int | bool]:
         with self._lock:
             return {"enabled": self.enabled, "segments": len(self._kept),
-                    "cost": self._kept_cost, "encoded_chars": self.encoded_chars,
+                    "cost": self._kept_cost, "ends": len(self._ends),
+                    "ends_cost": self._ends_cost, "encoded_chars": self.encoded_chars,
                     "reused_chars": self.reused_chars}
 
 
@@ -195,6 +255,10 @@ class _Piece:
     digest: bytes
     kept: array[int] | None
     """Its tokens, if they were kept when the text was prepared."""
+    head: array[int] | None = None
+    """Else the tokens of an earlier text's last piece it starts with (:attr:`head_chars`
+    characters, ending at a cut point), if one was remembered."""
+    head_chars: int = 0
 
 
 class Prepared:
@@ -215,7 +279,7 @@ class Prepared:
         """Characters the tokenizer has yet to encode."""
         if self.pieces is None:
             return len(self.text)
-        new = sum(len(p.text) for p in self.pieces if p.kept is None)
+        new = sum(len(p.text) - p.head_chars for p in self.pieces if p.kept is None)
         return new + (len(self.text) if self.check else 0)
 
     def finish(self) -> Sequence[int]:

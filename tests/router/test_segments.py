@@ -60,6 +60,55 @@ def test_every_turn_gets_the_whole_prompts_tokens_and_reuses_the_turn_before(
                 assert reused > len(text) * 0.6, (turn, reused, len(text))
 
 
+def test_a_next_turn_encodes_only_what_follows_the_last_turns_end(
+        renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last piece of a turn (where the next goes on) is remembered: the next turn's
+    piece that starts with it encodes only its new messages, not the rest of that piece."""
+    monkeypatch.setattr(segments, "CHECK_FIRST", 0)
+    monkeypatch.setattr(segments, "CHECK_EVERY", 10**9)
+    rng = random.Random(11)
+    words = ["the", "river", "city", "42", "naïve", "東京", "end.\n", "x=1;"]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n)).strip()
+
+    messages = [{"role": "system", "content": text(300)}, {"role": "user", "content": text(900)}]
+    previous = ""
+    for turn in range(8):
+        if turn:
+            messages += [{"role": "assistant", "content": text(40)},
+                         {"role": "user", "content": text(30)}]
+        before = renderer.segments.stats()
+        got = renderer.tokens("chat", {"messages": messages})
+        whole = renderer.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=True)
+        assert got == renderer.tokenizer(whole, add_special_tokens=False)["input_ids"]
+        encoded = int(renderer.segments.stats()["encoded_chars"]) - int(before["encoded_chars"])
+        if turn:
+            assert whole.startswith(previous)
+            assert encoded == len(whole) - len(previous), (turn, encoded)
+        previous = whole
+    assert int(renderer.segments.stats()["ends"]) >= 1
+
+
+def test_remembered_ends_stay_within_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments, "ENTRY_COST", 4)
+    encoder = SegmentEncoder(lambda t: [ord(c) for c in t], "chars", min_chars=16,
+                             max_tokens=8000)
+    for i in range(300):
+        text = f"{i:04d} shared words and more\nof them, then the end {i}\nlast {i}\n"
+        assert encoder(text) == [ord(c) for c in text]
+        assert int(encoder.stats()["ends_cost"]) <= 8000 // segments.LARGEST_SHARE
+    grown = "0299 shared words and more\nof them, then the end 299\nlast 299\nand on"
+    before = encoder.stats()["encoded_chars"]
+    assert encoder(grown) == [ord(c) for c in grown]
+    assert int(encoder.stats()["encoded_chars"]) - int(before) == len("and on")
+    evicted = "0000 shared words and more\nof them, then the end 0\nlast 0\nand on"
+    before = encoder.stats()["encoded_chars"]
+    assert encoder(evicted) == [ord(c) for c in evicted]
+    assert int(encoder.stats()["encoded_chars"]) - int(before) == len(evicted), "all new"
+
+
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
           r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
