@@ -81,13 +81,11 @@ class SegmentEncoder:
         self.min_chars = min_chars
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        self._kept: OrderedDict[bytes, array[int]] = OrderedDict()
-        self._kept_cost = 0
-        self._ends: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._kept = _Tokens(max_tokens)
+        self._ends = _Tokens(max_tokens // LARGEST_SHARE)
         """The last pieces of recent texts, where their conversations go on: a next turn's
         piece that starts with one encodes only the rest. Bounded by an eighth of
         ``max_tokens``, apart from :attr:`_kept`."""
-        self._ends_cost = 0
         self._calls = 0
         self.enabled = unsafe is None
         """False when the tokenizer is known not to cut cleanly (``unsafe`` says why), or
@@ -138,9 +136,8 @@ class SegmentEncoder:
             done = point
         with self._lock:
             for point, digest in reversed(digests):
-                head = self._ends.get(digest)
+                head = self._ends.touch(digest)
                 if head is not None:
-                    self._ends.move_to_end(digest)
                     return _Piece(piece.text, piece.digest, None, head, point)
         return piece
 
@@ -194,49 +191,27 @@ class SegmentEncoder:
 
     def _end(self, digest: bytes, tokens: array[int]) -> None:
         """Remember a text's last piece (the lock not held)."""
-        budget = self.max_tokens // LARGEST_SHARE
-        cost = len(tokens) + ENTRY_COST
         with self._lock:
-            if not self.enabled or cost > budget // LARGEST_SHARE:
-                return
-            if digest in self._ends:
-                self._ends.move_to_end(digest)
-                return
-            self._ends[digest] = tokens
-            self._ends_cost += cost
-            while self._ends_cost > budget:
-                _, dropped = self._ends.popitem(last=False)
-                self._ends_cost -= len(dropped) + ENTRY_COST
+            if self.enabled and self._ends.touch(digest) is None:
+                self._ends.add(digest, tokens)
 
     def _touch(self, digest: bytes) -> array[int] | None:
         """The kept tokens of a segment, now the most recently used (the lock held)."""
-        kept = self._kept.get(digest)
-        if kept is not None:
-            self._kept.move_to_end(digest)
-        return kept
+        return self._kept.touch(digest)
 
     def _keep(self, digest: bytes, tokens: array[int], chars: int, reused: int,
               keep: bool) -> None:
-        cost = len(tokens) + ENTRY_COST
         with self._lock:
             self.encoded_chars += chars
             self.reused_chars += reused
-            if (not keep or not self.enabled or cost > self.max_tokens // LARGEST_SHARE
-                    or digest in self._kept):
-                return
-            self._kept[digest] = tokens
-            self._kept_cost += cost
-            while self._kept_cost > self.max_tokens:
-                _, dropped = self._kept.popitem(last=False)
-                self._kept_cost -= len(dropped) + ENTRY_COST
+            if keep and self.enabled and digest not in self._kept:
+                self._kept.add(digest, tokens)
 
     def _turn_off(self) -> None:
         with self._lock:
             was, self.enabled = self.enabled, False
             self._kept.clear()
-            self._kept_cost = 0
             self._ends.clear()
-            self._ends_cost = 0
         if was:
             log.warning("tokenizer %s: encoding a prompt in segments gave other tokens than "
                         "encoding it whole; prompts are encoded whole from now on", self.name)
@@ -244,9 +219,47 @@ class SegmentEncoder:
     def stats(self) -> dict[str, int | bool]:
         with self._lock:
             return {"enabled": self.enabled, "segments": len(self._kept),
-                    "cost": self._kept_cost, "ends": len(self._ends),
-                    "ends_cost": self._ends_cost, "encoded_chars": self.encoded_chars,
+                    "cost": self._kept.cost, "ends": len(self._ends),
+                    "ends_cost": self._ends.cost, "encoded_chars": self.encoded_chars,
                     "reused_chars": self.reused_chars}
+
+
+class _Tokens:
+    """Token arrays by digest, least recently used out first, their tokens plus
+    :data:`ENTRY_COST` each at most ``budget``; an entry costing more than an eighth of it
+    is not added (:data:`LARGEST_SHARE`). Not locked: its encoder's lock is held."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.cost = 0
+        self._items: OrderedDict[bytes, array[int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._items
+
+    def touch(self, digest: bytes) -> array[int] | None:
+        """The tokens under ``digest``, now the most recently used; None if absent."""
+        tokens = self._items.get(digest)
+        if tokens is not None:
+            self._items.move_to_end(digest)
+        return tokens
+
+    def add(self, digest: bytes, tokens: array[int]) -> None:
+        cost = len(tokens) + ENTRY_COST
+        if cost > self.budget // LARGEST_SHARE:
+            return
+        self._items[digest] = tokens
+        self.cost += cost
+        while self.cost > self.budget:
+            _, dropped = self._items.popitem(last=False)
+            self.cost -= len(dropped) + ENTRY_COST
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.cost = 0
 
 
 @dataclass(frozen=True)
