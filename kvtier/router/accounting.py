@@ -25,7 +25,7 @@ from kvtier.router.strategies import Decision
 
 class Accounting:
     def __init__(self, metrics: RouterMetrics, min_sample_tokens: int,
-                 pool: BackendPool | None = None) -> None:
+                 pool: BackendPool) -> None:
         self.metrics = metrics
         self.min_sample_tokens = min_sample_tokens
         self.pool = pool
@@ -84,8 +84,7 @@ class Accounting:
         prefill = ttft - pred.load_s
         if prefill > 0.001:
             backend.load.speed.add(recomputed / prefill)
-            if self.pool is not None:
-                self.pool.share_speed()
+            self.pool.share_speed()
 
 
 def _actual_sources(doc: dict[str, Any] | None) -> dict[str, int] | None:

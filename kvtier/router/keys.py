@@ -157,7 +157,7 @@ class RequestKeys:
         body = dict(self.body)
         if (self.size is None or self.size > INLINE_BODY_BYTES
                 or _parts(body) > INLINE_PARTS):
-            return await asyncio.to_thread(renderer.tokens, self.endpoint, body)
+            return await asyncio.to_thread(renderer.ids, self.endpoint, body)
         encoding = renderer.prepare(self.endpoint, body)
         if encoding is None:
             return None

@@ -107,10 +107,16 @@ class PromptRenderer:
         """Encodes text without special tokens, reusing what earlier prompts shared."""
 
     def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids, or None when they cannot be computed exactly here."""
+        """The prompt's token ids as a list, or None when they cannot be computed exactly
+        here."""
+        ids = self.ids(endpoint, body)
+        return None if ids is None else list(ids)
+
+    def ids(self, endpoint: str, body: dict[str, Any]) -> Sequence[int] | None:
+        """:meth:`tokens` as the encoder gives them (an ``array`` when segmented: no Python
+        int per token on the way to the chunk hashes)."""
         encoding = self.prepare(endpoint, body)
-        tokens = None if encoding is None else finish(encoding)
-        return None if tokens is None else list(tokens)
+        return None if encoding is None else finish(encoding)
 
     def prepare(self, endpoint: str, body: dict[str, Any]) -> Encoding | None:
         """The prompt rendered to text (or read as ids), the tokenizer not run yet: its
