@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser, endpoint: bool = True, axes: bool 
                        help="environment variable holding the API key (default: %(default)s)")
         p.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
         p.add_argument("--metrics-url", help="Prometheus endpoint of the server (default: "
-                       "URL/metrics; 'none' to skip)")
+                       "URL/metrics; 'none' to skip); several, comma-separated, are summed "
+                       "(a fleet's instances and its router)")
         p.add_argument("--label", default="", help="name of this run in the results")
     g = p.add_argument_group("workload (lengths in tokens)")
     if axes:
@@ -213,10 +214,10 @@ async def _execute(opts: Options, progress: bool) -> dict[str, Any]:
     endpoint = Endpoint(config)
     scrape = None
     if opts.metrics_url:
-        url = opts.metrics_url
+        urls = [u.strip() for u in opts.metrics_url.split(",") if u.strip()]
 
         async def scrape() -> dict[str, float] | None:
-            return await asyncio.to_thread(prom.scrape, url)
+            return await asyncio.to_thread(prom.scrape_all, urls)
 
     total = opts.workload.num_users * opts.workload.num_rounds
     with _progress(progress, total, opts.label or model) as on_result:

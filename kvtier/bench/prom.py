@@ -5,11 +5,16 @@ vLLM counts prompt tokens served from cache by the tier that supplied them
 for any connector, kvtier's and LMCache's alike, next to ``vllm:prompt_tokens``. Their
 increase over the measured rounds is the run's hit quality per tier even when each streamed
 response says nothing (see :mod:`kvtier.bench.openai_client`).
+
+A fleet has one such page per instance, and ``kvtier route`` one of its own that counts its
+decisions by reason (``affinity``, ``load``, ...): :func:`scrape_all` sums several pages, so a
+run against a fleet reads where its hits came from on every instance, and why the router sent
+each request where it did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import httpx
 
@@ -19,15 +24,17 @@ PROMPT = "vllm:prompt_tokens_total"
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 KVTIER_LOADED = "vllm:kvtier_loaded_tokens_total"
 KVTIER_FAILED = "vllm:kvtier_failed_load_tokens_total"
+DECISIONS = "kvtier_router_decisions_total"
 Counters = dict[str, float]
 
 
 def parse(text: str) -> Counters:
     """The counters this module reads, summed over other labels: ``name`` or
-    ``name|label_value`` (source for the cache counters, tier for kvtier's)."""
+    ``name|label_value`` (source for the cache counters, tier for kvtier's, reason for the
+    router's decisions)."""
     out: Counters = {}
-    for s in samples(text, (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED)):
-        sub = s.labels.get("source") or s.labels.get("tier")
+    for s in samples(text, (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED, DECISIONS)):
+        sub = s.labels.get("source") or s.labels.get("tier") or s.labels.get("reason")
         key = f"{s.name}|{sub}" if sub else s.name
         out[key] = out.get(key, 0.0) + s.value
     return out
@@ -42,8 +49,22 @@ def scrape(url: str, timeout_s: float = 10.0) -> Counters | None:
     return parse(resp.text) if resp.status_code == 200 else None
 
 
+def scrape_all(urls: Sequence[str], timeout_s: float = 10.0) -> Counters | None:
+    """The counters of all ``urls`` summed (a fleet's instances and its router), or None if
+    any does not answer: a sum with a page missing would be read as a drop."""
+    total: Counters = {}
+    for url in urls:
+        page = scrape(url, timeout_s)
+        if page is None:
+            return None
+        for key, value in page.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
 def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
-    """Prompt tokens and cached tokens by source over the interval, and kvtier's loads."""
+    """Prompt tokens and cached tokens by source over the interval, kvtier's loads, and the
+    router's decisions by reason."""
     def d(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -59,4 +80,7 @@ def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, 
     if tiers:
         out["kvtier_loaded_tokens"] = {t: int(d(f"{KVTIER_LOADED}|{t}")) for t in tiers}
         out["kvtier_failed_load_tokens"] = int(d(KVTIER_FAILED))
+    reasons = sorted({k.split("|", 1)[1] for k in after if k.startswith(DECISIONS + "|")})
+    if reasons:
+        out["router_decisions"] = {r: int(d(f"{DECISIONS}|{r}")) for r in reasons}
     return out

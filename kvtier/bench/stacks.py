@@ -73,6 +73,14 @@ class StartedConfig:
     url: str
     procs: list[Child]
     stop_timeout_s: float = 60.0
+    metrics_urls: list[str] = field(default_factory=list)
+    """The Prometheus pages a run reads, summed (:func:`kvtier.bench.prom.scrape_all`): a
+    fleet's instances, and ``kvtier route``'s own for its decisions; empty: ``url``'s."""
+
+    @property
+    def metrics_url(self) -> str:
+        """The pages, comma-separated (``bench multiround --metrics-url``)."""
+        return ",".join(self.metrics_urls) or f"{self.url}/metrics"
 
     def alive(self) -> bool:
         return all(p.running for p in self.procs)
@@ -299,7 +307,9 @@ def _two_instances(router: str, policy: str, shared: str = "fs",
                 "--arena-size", str(env.arena_bytes), "--run-dir", str(env.workdir / "stack"),
                 "--served-model-name", env.served_name, "--chunk-tokens",
                 str(env.chunk_tokens), "--enable-prefix-caching", *env.engine_args]
-        return launch(env, [engine(f"stack-{router}-{policy}", argv, port)], port)
+        stack = launch(env, [engine(f"stack-{router}-{policy}", argv, port)], port)
+        stack.metrics_urls = fleet_metrics(port, 2, router)
+        return stack
     return start
 
 
@@ -333,8 +343,18 @@ def _plain_fleet(n: int, router: str, policy: str) -> Callable[[StackEnv], Start
 
             binary = ensure_vllm_router(log_file=env.workdir.parent / "vllm-router-install.log")
         port = ports.free_base((*range(n + 1), 100))  # vllm-router's metrics on P+100
-        return launch(env, plain_fleet_specs(env, n, router, policy, port, binary), port)
+        stack = launch(env, plain_fleet_specs(env, n, router, policy, port, binary), port)
+        stack.metrics_urls = fleet_metrics(port, n, router)
+        return stack
     return start
+
+
+def fleet_metrics(port: int, n: int, router: str) -> list[str]:
+    """The pages of a fleet whose router is on ``port`` and its ``n`` instances on the ports
+    after it: every instance's (vLLM's counters, summed), and ``kvtier route``'s (its
+    decisions). vllm-router's page on ``port`` is left out: it passes on an instance's."""
+    pages = [f"http://127.0.0.1:{port + 1 + i}/metrics" for i in range(n)]
+    return pages + ([f"http://127.0.0.1:{port}/metrics"] if router == "kvtier" else [])
 
 
 register_stack("device", "plain vLLM, prefix caching on (the device cache only)", _start_device)

@@ -324,7 +324,7 @@ class Sweep:
                                            if a.qps is None else a.concurrency})
         base = options(_with_endpoint(point_args))
         opts = dataclasses.replace(base, model=a.served_model_name, tokenizer=self.model,
-                                   metrics_url=f"{stack.url}/metrics",
+                                   metrics_url=stack.metrics_url,
                                    load=load_config(point_args),
                                    label=f"{name} {users}u r{repeat}")
         print(f"kvtier bench sweep: {name}, {users} users, history {history}, "
@@ -355,6 +355,8 @@ def run_of(result: dict[str, Any], rel: str, stack: StartedConfig) -> dict[str, 
             "p50_ttft_s": m["p50_ttft"], "p99_itl_s": m["p99_itl"],
             "requests": s["requests"], "errors": s["errors"], "error_kinds": s["error_kinds"],
             "endpoint_cached_by_source": (s["endpoint"] or {}).get("cached_tokens_by_source"),
+            "endpoint_loaded_by_tier": (s["endpoint"] or {}).get("kvtier_loaded_tokens"),
+            "router_decisions": (s["endpoint"] or {}).get("router_decisions"),
             "error": error, "result": rel}
 
 

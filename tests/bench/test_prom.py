@@ -1,8 +1,13 @@
-"""The endpoint counters a benchmark reads (kvtier.bench.prom.parse): keys, sums, bad lines."""
+"""The endpoint counters a benchmark reads (kvtier.bench.prom): keys, sums, bad lines, a
+fleet's pages summed."""
 
 from __future__ import annotations
 
+import http.server
+import threading
+
 from kvtier.bench import prom
+from kvtier.bench.stacks import fleet_metrics
 
 PAGE = """# HELP vllm:prompt_tokens Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens counter
@@ -34,3 +39,62 @@ def test_malformed_lines_are_skipped_and_the_rest_is_read() -> None:
               "vllm:prompt_tokens_total{engine=\"4\",engine=\"5\"} 1\n" + "\x00{\"\\" * 100)
     assert prom.parse(broken) == prom.parse(PAGE)
     assert prom.parse("<html>502 Bad Gateway</html>") == {}
+
+
+ROUTER_PAGE = """# TYPE kvtier_router_decisions counter
+kvtier_router_decisions_total{strategy="cache",reason="affinity"} 30.0
+kvtier_router_decisions_total{strategy="cache",reason="load"} 4.0
+kvtier_router_decisions_created{strategy="cache",reason="load"} 1.7e9
+"""
+
+
+class _Pages:
+    """Prometheus pages served from 127.0.0.1, one per path; a path not set answers 404."""
+
+    def __init__(self, pages: dict[str, str]) -> None:
+        self.pages = pages
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = outer.pages.get(self.path)
+                self.send_response(200 if body is not None else 404)
+                self.end_headers()
+                self.wfile.write((body or "").encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _Pages:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_fleets_pages_are_summed_and_the_routers_decisions_read_by_reason() -> None:
+    with _Pages({"/a": PAGE, "/b": PAGE, "/router": ROUTER_PAGE}) as srv:
+        total = prom.scrape_all([f"{srv.url}/a", f"{srv.url}/b", f"{srv.url}/router"])
+        missing = prom.scrape_all([f"{srv.url}/a", f"{srv.url}/gone"])
+    assert total is not None
+    assert total[prom.PROMPT] == 3000.0
+    assert total[f"{prom.BY_SOURCE}|device"] == 240.0
+    assert total[f"{prom.DECISIONS}|affinity"] == 30.0
+    assert total[f"{prom.DECISIONS}|load"] == 4.0
+    assert missing is None  # a sum with a page missing would read as a drop
+    before = {f"{prom.DECISIONS}|affinity": 10.0, prom.PROMPT: 1000.0}
+    assert prom.delta(before, total)["router_decisions"] == {"affinity": 20, "load": 4}
+
+
+def test_a_fleets_pages_are_its_instances_and_only_kvtiers_router() -> None:
+    assert fleet_metrics(9000, 2, "kvtier") == ["http://127.0.0.1:9001/metrics",
+                                               "http://127.0.0.1:9002/metrics",
+                                               "http://127.0.0.1:9000/metrics"]
+    assert fleet_metrics(9000, 2, "vllm-router") == ["http://127.0.0.1:9001/metrics",
+                                                    "http://127.0.0.1:9002/metrics"]
