@@ -17,6 +17,7 @@ Errors never raise out of :meth:`Endpoint.send`: they come back in ``RequestResu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -107,7 +108,10 @@ class Endpoint:
             body["ignore_eos"] = True  # vLLM's extension: every answer has max_tokens
         return body
 
-    async def send(self, spec: RequestSpec) -> RequestResult:
+    async def send(self, spec: RequestSpec, first_token: asyncio.Event | None = None
+                   ) -> RequestResult:
+        """One request; ``first_token`` is set when its first token arrives (streamed), or
+        when it ends (whole, or failed)."""
         path = "/v1/chat/completions" if self.config.api == "chat" else "/v1/completions"
         headers = {}
         if self.config.user_header:
@@ -115,13 +119,16 @@ class Endpoint:
         result = RequestResult(spec.user, spec.round, spec.warmup, self.now())
         try:
             if self.config.stream:
-                await self._stream(path, spec, headers, result)
+                await self._stream(path, spec, headers, result, first_token)
             else:
                 await self._whole(path, spec, headers, result)
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
         except (ValueError, KeyError, TypeError) as exc:
             result.error = f"bad response: {exc}"[:300]
+        finally:
+            if first_token is not None:
+                first_token.set()
         result.end_s = self.now()
         return result
 
@@ -129,7 +136,7 @@ class Endpoint:
         return time.perf_counter() - self.t0
 
     async def _stream(self, path: str, spec: RequestSpec, headers: dict[str, str],
-                      result: RequestResult) -> None:
+                      result: RequestResult, first_token: asyncio.Event | None) -> None:
         last: float | None = None
         chunks = 0
         parts: list[str] = []
@@ -154,6 +161,8 @@ class Endpoint:
                     now = self.now()
                     if last is None:
                         result.ttft_s = now - result.start_s
+                        if first_token is not None:
+                            first_token.set()
                     else:
                         result.itl_s.append(now - last)
                     last = now

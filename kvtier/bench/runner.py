@@ -5,6 +5,10 @@ its previous one is answered (the answer is part of the prompt), so in the open 
 whose user is still waiting goes out as soon as the answer arrives (counted in
 ``RunOutcome.delayed``). Warm-up rounds run first, to completion; then the endpoint's counters
 are read and the measured rounds start on a fresh clock (open loop: a fresh arrival process).
+In the closed loop a phase's clients start one after another, each once the one before it
+has its first token: clients that all started at once would send in step for their first
+several turns (equal prompts take equal times), and those collisions, a few seconds of a
+run, would be all its p99 said.
 A failed request's answer is replaced by synthetic text of the planned length, so the user's
 later turns keep their shape.
 """
@@ -102,12 +106,18 @@ class Runner:
 
     async def _closed(self, turns: Sequence[Turn]) -> None:
         queue = iter(turns)
+        started = [asyncio.Event() for _ in range(min(self.load.concurrency, len(turns)))]
 
-        async def worker() -> None:
-            for turn in queue:
-                await self._turn(turn)
+        async def worker(k: int) -> None:
+            if k:
+                await started[k - 1].wait()
+            try:
+                for turn in queue:
+                    await self._turn(turn, started[k])
+            finally:
+                started[k].set()  # none taken (or a failure): the next one need not wait
 
-        await asyncio.gather(*(worker() for _ in range(min(self.load.concurrency, len(turns)))))
+        await asyncio.gather(*(worker(k) for k in range(len(started))))
 
     async def _open(self, turns: Sequence[Turn], rng: random.Random) -> None:
         assert self.load.qps is not None
@@ -128,7 +138,7 @@ class Runner:
         async with cap:
             await self._turn(turn)
 
-    async def _turn(self, turn: Turn) -> None:
+    async def _turn(self, turn: Turn, first_token: asyncio.Event | None = None) -> None:
         if turn.round > 0:
             previous = self.done[(turn.user, turn.round - 1)]
             if not previous.is_set():
@@ -143,7 +153,7 @@ class Runner:
         else:
             spec = RequestSpec(turn.user, turn.round, turn.warmup, max_tokens,
                                prompt=self.workload.prompt(turn.user, turn.round, answers))
-        result = await self.endpoint.send(spec)
+        result = await self.endpoint.send(spec, first_token)
         answers.append(result.text if result.ok and result.text else
                        self._fallback(turn, max_tokens))
         result.text = ""  # the answer lives on in the conversation, not in the results

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,28 @@ def test_closed_loop_keeps_at_most_concurrency_in_flight() -> None:
     spans = sorted((r["start_s"], r["start_s"] + r["e2e_s"]) for r in doc["requests"])
     for start, _end in spans:
         assert sum(s <= start < e for s, e in spans) <= 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_closed_loop_clients_start_one_after_another(stream: bool) -> None:
+    # all at once, equal prompts would keep the clients in step for several turns; each
+    # starts once the one before it has its first token (unstreamed: its answer), in both
+    # phases; streamed, all are then in flight (an answer takes longer than the ramp)
+    state = StubState(ttft_s=0.08, token_s=0.1)
+    with stub_server(state) as (url, _):
+        doc = execute(opts(url, workload=wl(num_users=4, num_rounds=3, warmup_rounds=1),
+                           load=LoadConfig("closed", 4), stream=stream), progress=False)
+    assert doc["summary"]["ok"] == 8
+    for warmup in (True, False):
+        reqs = sorted((r for r in doc["requests"] if r["warmup"] == warmup),
+                      key=lambda r: r["start_s"])
+        if not stream:
+            assert reqs[1]["start_s"] >= reqs[0]["start_s"] + 0.9 * reqs[0]["e2e_s"]
+            continue
+        for before, after in itertools.pairwise(reqs[:4]):
+            assert after["start_s"] >= before["start_s"] + 0.9 * before["ttft_s"]
+        fourth = reqs[3]["start_s"]
+        assert sum(r["start_s"] <= fourth < r["start_s"] + r["e2e_s"] for r in reqs) == 4
 
 
 def test_api_key_and_user_header_are_sent(tmp_path: Path) -> None:
