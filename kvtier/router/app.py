@@ -40,6 +40,7 @@ from kvtier.router.health import HealthMonitor
 from kvtier.router.history import DeviceHistory
 from kvtier.router.holdings import Holdings
 from kvtier.router.keys import Renderers
+from kvtier.router.lag import LoopWatch
 from kvtier.router.lookup import NodeLookups
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.parts import PartsCollector
@@ -95,6 +96,7 @@ class Router:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._health: HealthMonitor | None = None
+        self._watch = LoopWatch(self.metrics.loop_lag)
         self.strategy: Strategy | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -117,6 +119,7 @@ class Router:
         for backend in self.pool:
             self.metrics.up.labels(backend.name).set(0)
         await self._health.start()
+        await self._watch.start()
         app = web.Application(middlewares=[self._guard],
                               client_max_size=self.config.max_body_bytes)
         app.router.add_get("/health", self._health_handler)
@@ -156,6 +159,7 @@ class Router:
             return False
 
     async def close(self) -> None:
+        await self._watch.stop()
         if self._health is not None:
             await self._health.stop()
         if self._runner is not None:

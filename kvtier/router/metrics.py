@@ -84,5 +84,9 @@ class RouterMetrics:
         self.predicted_ttft = Histogram("kvtier_router_predicted_ttft_seconds", "The cache "
                                         "strategy's TTFT estimate for the backend it chose",
                                         ["backend"], buckets=_LATENCY, registry=r)
+        self.loop_lag = Histogram("kvtier_router_loop_lag_seconds", "How much later than "
+                                  "asked the router's event loop woke a task that sleeps "
+                                  "50 ms at a time: time every request in flight waited "
+                                  "(docs/router.md)", buckets=_LATENCY, registry=r)
         self.lookup_failures = Counter("kvtier_router_lookup_failures", "Node-server lookups "
                                        "that failed or timed out", ["server"], registry=r)
