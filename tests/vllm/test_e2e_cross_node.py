@@ -195,12 +195,13 @@ def test_a_corrupt_shared_object_is_a_miss_removed_and_counted(
     codec.verify(memoryview(victim.read_bytes()), key)
 
 
-def test_a_writer_killed_mid_upload_leaves_nothing_partial(
+def test_a_writer_killed_mid_upload_leaves_no_partial_chunk_served(
         nodes: tuple[ServerProcess, ...], engines: tuple[Any, Any], baseline: dict[str, Any],
         s3_bucket: Any, tmp_path: Path) -> None:
     from tiers.s3_helpers import key_file
 
     from kvtier import codec
+    from kvtier.errors import CorruptChunkError
     from kvtier.keys import ChunkKey
 
     keys = key_file(tmp_path / "keys", s3_bucket.credentials)
@@ -213,12 +214,22 @@ def test_a_writer_killed_mid_upload_leaves_nothing_partial(
     assert e2e.generate(engines[0], prompts).tokens == baseline["CROSS_killed"]
     nodes[0].kill()  # uploads still queued or in flight
     client = s3_bucket.client()
+    whole: list[int] = []
+    cut: list[int] = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket.name,
                                                                   Prefix="kvtier/chunks/"):
         for obj in page.get("Contents", []):
             body = client.get_object(Bucket=s3_bucket.name, Key=obj["Key"])["Body"].read()
             key = ChunkKey(bytes.fromhex(obj["Key"].rsplit("/", 1)[1].removesuffix(".kvc")))
-            codec.verify(memoryview(body), key)  # every object there is whole
+            try:
+                codec.verify(memoryview(body), key)
+                whole.append(len(body))
+            except CorruptChunkError:
+                cut.append(len(body))
+    # AWS S3 keeps nothing of a PUT whose writer died; SeaweedFS may keep the body it got
+    # (seen: an empty object). Such an object is only ever cut short, never altered, and
+    # verification refuses it like any corrupt one (the reader then recomputes, below)
+    assert all(size < min(whole, default=1 << 30) for size in cut), (cut, whole)
     result = e2e.one_by_one(engines[1], prompts)
     assert result.tokens == baseline["CROSS_killed"]
     nodes[0].start(tiers=[tier])
