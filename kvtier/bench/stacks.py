@@ -327,7 +327,7 @@ def plain_fleet_specs(env: StackEnv, n: int, router: str, policy: str, port: int
     for i in range(n):
         own = port + 1 + i
         specs.append(engine(f"vllm-{i}", _vllm(env, own), own, *instance_binding(i)))
-    backends = [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)]
+    backends = instance_urls(port, n)
     argv = router_argv(router, policy, "127.0.0.1", port, backends, [], vllm_router)
     if argv is None:
         raise ConfigError(f"a plain fleet needs a router; got {router!r}")
@@ -349,12 +349,17 @@ def _plain_fleet(n: int, router: str, policy: str) -> Callable[[StackEnv], Start
     return start
 
 
+def instance_urls(port: int, n: int) -> list[str]:
+    """The ``n`` instances of a fleet whose router is on ``port``: on the ports after it."""
+    return [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)]
+
+
 def fleet_metrics(port: int, n: int, router: str) -> list[str]:
-    """The pages of a fleet whose router is on ``port`` and its ``n`` instances on the ports
-    after it: every instance's (vLLM's counters, summed), and ``kvtier route``'s (its
-    decisions). vllm-router's page on ``port`` is left out: it passes on an instance's."""
-    pages = [f"http://127.0.0.1:{port + 1 + i}/metrics" for i in range(n)]
-    return pages + ([f"http://127.0.0.1:{port}/metrics"] if router == "kvtier" else [])
+    """The pages of a fleet whose router is on ``port``: every instance's (vLLM's counters,
+    summed), and ``kvtier route``'s (its decisions). vllm-router's page on ``port`` is left
+    out: it passes on an instance's."""
+    routers = [f"http://127.0.0.1:{port}"] if router == "kvtier" else []
+    return [f"{url}/metrics" for url in instance_urls(port, n) + routers]
 
 
 register_stack("device", "plain vLLM, prefix caching on (the device cache only)", _start_device)

@@ -343,6 +343,7 @@ def _with_endpoint(ns: argparse.Namespace) -> argparse.Namespace:
 def run_of(result: dict[str, Any], rel: str, stack: StartedConfig) -> dict[str, Any]:
     """A run's figures from its ``bench multiround`` results (``rel``: where they are)."""
     s, m = result["summary"], result["metrics"]
+    endpoint = s["endpoint"] or {}
     error = None
     if s["requests"] and not s["ok"]:
         kinds = list(s["error_kinds"])
@@ -354,9 +355,9 @@ def run_of(result: dict[str, Any], rel: str, stack: StartedConfig) -> dict[str, 
             "output_tok_s": s["output_tok_s"], "requests_per_s": s["requests_per_s"],
             "p50_ttft_s": m["p50_ttft"], "p99_itl_s": m["p99_itl"],
             "requests": s["requests"], "errors": s["errors"], "error_kinds": s["error_kinds"],
-            "endpoint_cached_by_source": (s["endpoint"] or {}).get("cached_tokens_by_source"),
-            "endpoint_loaded_by_tier": (s["endpoint"] or {}).get("kvtier_loaded_tokens"),
-            "router_decisions": (s["endpoint"] or {}).get("router_decisions"),
+            "endpoint_cached_by_source": endpoint.get("cached_tokens_by_source"),
+            "endpoint_loaded_by_tier": endpoint.get("kvtier_loaded_tokens"),
+            "router_decisions": endpoint.get("router_decisions"),
             "error": error, "result": rel}
 
 

@@ -204,7 +204,7 @@ class SegmentEncoder:
         with self._lock:
             self.encoded_chars += chars
             self.reused_chars += reused
-            if keep and self.enabled and digest not in self._kept:
+            if keep and self.enabled:
                 self._kept.add(digest, tokens)
 
     def _turn_off(self) -> None:
@@ -248,8 +248,10 @@ class _Tokens:
         return tokens
 
     def add(self, digest: bytes, tokens: array[int]) -> None:
+        """Keep ``tokens`` under ``digest`` unless it is kept already (its place unchanged)
+        or costs too much."""
         cost = len(tokens) + ENTRY_COST
-        if cost > self.budget // LARGEST_SHARE:
+        if cost > self.budget // LARGEST_SHARE or digest in self._items:
             return
         self._items[digest] = tokens
         self.cost += cost
