@@ -15,7 +15,8 @@ from kvtier.bench.openai_client import RequestResult
 from kvtier.tables import table
 
 CSV_COLUMNS = ("user", "round", "warmup", "start_s", "ttft_s", "e2e_s", "mean_itl_s",
-               "max_itl_s", "prompt_tokens", "output_tokens", "kv_source", "kv_tokens", "error")
+               "max_itl_s", "prompt_tokens", "output_tokens", "kv_source", "kv_tokens",
+               "backend", "error")
 
 
 def request_row(r: RequestResult) -> dict[str, Any]:
@@ -24,7 +25,8 @@ def request_row(r: RequestResult) -> dict[str, Any]:
         "start_s": round(r.start_s, 6), "ttft_s": _r(r.ttft_s), "e2e_s": round(r.e2e_s, 6),
         "mean_itl_s": _r(mean_itl(r)), "max_itl_s": _r(max(r.itl_s) if r.itl_s else None),
         "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-        "kv_source": r.kv_source, "kv_tokens": r.kv_tokens, "error": r.error,
+        "kv_source": r.kv_source, "kv_tokens": r.kv_tokens, "backend": r.backend,
+        "error": r.error,
     }
 
 

@@ -12,6 +12,9 @@ Where the prompt's KV came from is read, in this order, from:
 2. ``usage.prompt_tokens_details.cached_tokens`` (vLLM with ``--enable-prompt-tokens-
    details``, OpenAI): prefix-cached tokens, device and connector together.
 
+A router that names the instance it chose (``kvtier route``'s ``X-Kvtier-Backend``) has it
+recorded in ``RequestResult.backend``: a fleet run's slow requests can then be placed.
+
 Errors never raise out of :meth:`Endpoint.send`: they come back in ``RequestResult.error``.
 """
 
@@ -28,6 +31,8 @@ import httpx
 Api = Literal["chat", "completions"]
 KV_KVTIER = "kvtier"
 KV_CACHED = "cached_tokens"
+BACKEND_HEADER = "X-Kvtier-Backend"
+"""``kvtier route``'s header naming the instance (:data:`kvtier.router.proxy.BACKEND_HEADER`)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,9 @@ class RequestResult:
     """Prompt tokens by where their KV came from (sums to prompt_tokens)."""
     kv_source: str | None = None
     """``kvtier``, ``cached_tokens`` or None (the endpoint said nothing)."""
+    backend: str | None = None
+    """The instance that served it, where a router names it (``kvtier route``'s
+    ``X-Kvtier-Backend`` header), else None."""
     error: str | None = None
     text: str = ""
 
@@ -142,6 +150,7 @@ class Endpoint:
         parts: list[str] = []
         async with self._http.stream("POST", path, json=self.body(spec),
                                      headers=headers) as resp:
+            result.backend = resp.headers.get(BACKEND_HEADER)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:200]}"
@@ -176,6 +185,7 @@ class Endpoint:
     async def _whole(self, path: str, spec: RequestSpec, headers: dict[str, str],
                      result: RequestResult) -> None:
         resp = await self._http.post(path, json=self.body(spec), headers=headers)
+        result.backend = resp.headers.get(BACKEND_HEADER)
         if resp.status_code != 200:
             result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
             return

@@ -25,6 +25,7 @@ BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 KVTIER_LOADED = "vllm:kvtier_loaded_tokens_total"
 KVTIER_FAILED = "vllm:kvtier_failed_load_tokens_total"
 DECISIONS = "kvtier_router_decisions_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
 Counters = dict[str, float]
 
 
@@ -33,7 +34,8 @@ def parse(text: str) -> Counters:
     ``name|label_value`` (source for the cache counters, tier for kvtier's, reason for the
     router's decisions)."""
     out: Counters = {}
-    for s in samples(text, (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED, DECISIONS)):
+    for s in samples(text, (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED, DECISIONS,
+                                PREEMPTIONS)):
         sub = s.labels.get("source") or s.labels.get("tier") or s.labels.get("reason")
         key = f"{s.name}|{sub}" if sub else s.name
         out[key] = out.get(key, 0.0) + s.value
@@ -63,8 +65,9 @@ def scrape_all(urls: Sequence[str], timeout_s: float = 10.0) -> Counters | None:
 
 
 def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
-    """Prompt tokens and cached tokens by source over the interval, kvtier's loads, and the
-    router's decisions by reason."""
+    """Prompt tokens and cached tokens by source over the interval, the requests vLLM
+    preempted (out of device blocks: each recomputes or reloads what it had), kvtier's
+    loads, and the router's decisions by reason."""
     def d(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -77,6 +80,8 @@ def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, 
         "cached_tokens_by_source": cached,
         "hit_ratio": (sum(cached.values()) / prompt) if prompt > 0 else None,
     }
+    if PREEMPTIONS in after:
+        out["preemptions"] = int(d(PREEMPTIONS))
     if tiers:
         out["kvtier_loaded_tokens"] = {t: int(d(f"{KVTIER_LOADED}|{t}")) for t in tiers}
         out["kvtier_failed_load_tokens"] = int(d(KVTIER_FAILED))

@@ -28,6 +28,8 @@ _TURN = re.compile(r"Question (\d+) from user (\d+):")
 class StubState:
     accounting: str = "cached"
     kv_on_stream: bool = False
+    backend: str | None = None
+    """Named in an ``X-Kvtier-Backend`` header, as ``kvtier route`` does."""
     ttft_s: float = 0.02
     token_s: float = 0.004
     failures: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -70,9 +72,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *_args: object) -> None:
         pass
 
+    def _name_backend(self) -> None:
+        if self.server.state.backend is not None:
+            self.send_header("X-Kvtier-Backend", self.server.state.backend)
+
     def _json(self, status: int, doc: object) -> None:
         data = json.dumps(doc).encode()
         self.send_response(status)
+        self._name_backend()
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -131,6 +138,7 @@ class _Handler(BaseHTTPRequestHandler):
                 kv: dict[str, Any], fail: bool, body: dict[str, Any]) -> None:
         state = self.server.state
         self.send_response(200)
+        self._name_backend()
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
 

@@ -79,6 +79,16 @@ def test_kv_transfer_params_on_a_streamed_chunk_are_read() -> None:
     assert all(r["ttft_s"] is not None for r in doc["requests"])
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_the_backend_a_router_names_is_recorded_per_request(stream: bool) -> None:
+    with stub_server(StubState(backend="i2")) as (url, _):
+        named = execute(opts(url, stream=stream), progress=False)
+    with stub_server(StubState()) as (url, _):
+        unnamed = execute(opts(url, stream=stream), progress=False)
+    assert [r["backend"] for r in named["requests"]] == ["i2"] * 9
+    assert all(r["backend"] is None for r in unnamed["requests"])
+
+
 def test_an_endpoint_that_says_nothing_leaves_hits_unknown() -> None:
     with stub_server(StubState(accounting="none")) as (url, _):
         doc = execute(opts(url, metrics_url=None), progress=False)

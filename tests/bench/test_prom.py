@@ -20,6 +20,8 @@ vllm:prompt_tokens_cached_by_source_total{engine="0",source="external_unspecifie
 vllm:kvtier_loaded_tokens_total{engine="0",tier="arena"} 64.0 1700000000000
 vllm:kvtier_failed_load_tokens_total{engine="0"} 3.0
 vllm:generation_tokens_total{engine="0"} 77.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+vllm:num_preemptions_total{engine="1",model_name="m"} 1.0
 """
 
 
@@ -30,6 +32,7 @@ def test_counters_are_summed_over_engines_and_keyed_by_source_or_tier() -> None:
         f"{prom.BY_SOURCE}|external_unspecified": 7.0,
         f"{prom.KVTIER_LOADED}|arena": 64.0,
         prom.KVTIER_FAILED: 3.0,
+        prom.PREEMPTIONS: 3.0,
     }
 
 
@@ -89,7 +92,10 @@ def test_a_fleets_pages_are_summed_and_the_routers_decisions_read_by_reason() ->
     assert total[f"{prom.DECISIONS}|load"] == 4.0
     assert missing is None  # a sum with a page missing would read as a drop
     before = {f"{prom.DECISIONS}|affinity": 10.0, prom.PROMPT: 1000.0}
-    assert prom.delta(before, total)["router_decisions"] == {"affinity": 20, "load": 4}
+    delta = prom.delta(before, total)
+    assert delta["router_decisions"] == {"affinity": 20, "load": 4}
+    assert delta["preemptions"] == 6  # absent before: counted from 0
+    assert "preemptions" not in prom.delta({}, prom.parse(ROUTER_PAGE))  # no vLLM page
 
 
 def test_a_fleets_pages_are_its_instances_and_only_kvtiers_router() -> None:
