@@ -235,6 +235,7 @@ async def _execute(opts: Options, progress: bool) -> dict[str, Any]:
         "version": 1,
         "label": opts.label,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "t0_unix": round(endpoint.t0_unix, 6),
         "endpoint": {"url": opts.url, "model": model, "api": opts.api, "stream": opts.stream},
         "tokenizer": counter.name,
         "workload": dataclasses.asdict(opts.workload),

@@ -93,6 +93,9 @@ class Endpoint:
     def __init__(self, config: EndpointConfig, t0: float | None = None) -> None:
         self.config = config
         self.t0 = time.perf_counter() if t0 is None else t0
+        self.t0_unix = time.time() - (time.perf_counter() - self.t0)
+        """The Unix time of ``t0``: a request's ``start_s`` plus this is when it was sent,
+        on the clock of other processes' logs and samples."""
         headers = {"Content-Type": "application/json"}
         if config.api_key:
             headers["Authorization"] = f"Bearer {config.api_key}"

@@ -7,6 +7,7 @@ import asyncio
 import csv
 import itertools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,8 @@ def test_the_backend_a_router_names_is_recorded_per_request(stream: bool) -> Non
     with stub_server(StubState()) as (url, _):
         unnamed = execute(opts(url, stream=stream), progress=False)
     assert [r["backend"] for r in named["requests"]] == ["i2"] * 9
+    # each request's send time on the Unix clock, to line it up with the backends' logs
+    assert 0 < time.time() - named["t0_unix"] - named["requests"][0]["start_s"] < 60
     assert all(r["backend"] is None for r in unnamed["requests"])
 
 
