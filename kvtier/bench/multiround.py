@@ -194,6 +194,7 @@ def execute(opts: Options, progress: bool = True) -> dict[str, Any]:
 
 async def _execute(opts: Options, progress: bool) -> dict[str, Any]:
     from kvtier.bench import figures, prom, workload
+    from kvtier.bench.machine import MachineWatch
     from kvtier.bench.mr_output import request_row
     from kvtier.bench.openai_client import Endpoint, EndpointConfig
     from kvtier.bench.runner import Runner
@@ -222,9 +223,12 @@ async def _execute(opts: Options, progress: bool) -> dict[str, Any]:
     total = opts.workload.num_users * opts.workload.num_rounds
     with _progress(progress, total, opts.label or model) as on_result:
         runner = Runner(wl, endpoint, opts.load, counter, on_result, scrape)
+        watch = MachineWatch(endpoint.now)
+        watch.start()
         try:
             outcome = await runner.run()
         finally:
+            machine = await watch.stop()
             await endpoint.close()
     measured = outcome.measured()
     before, after = outcome.counters_before, outcome.counters_after
@@ -236,6 +240,7 @@ async def _execute(opts: Options, progress: bool) -> dict[str, Any]:
         "label": opts.label,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "t0_unix": round(endpoint.t0_unix, 6),
+        "machine": machine,
         "endpoint": {"url": opts.url, "model": model, "api": opts.api, "stream": opts.stream},
         "tokenizer": counter.name,
         "workload": dataclasses.asdict(opts.workload),

@@ -358,7 +358,18 @@ def run_of(result: dict[str, Any], rel: str, stack: StartedConfig) -> dict[str, 
             "endpoint_cached_by_source": endpoint.get("cached_tokens_by_source"),
             "endpoint_loaded_by_tier": endpoint.get("kvtier_loaded_tokens"),
             "router_decisions": endpoint.get("router_decisions"),
+            "preemptions": endpoint.get("preemptions"),
+            "machine_steal": _steal(result.get("machine")),
             "error": error, "result": rel}
+
+
+def _steal(machine: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A run's CPU steal in brief (:mod:`kvtier.bench.machine`): its total, its worst
+    rate, and how many spells; the point's own JSON has every spell."""
+    if not machine:
+        return None
+    return {"cpu_s": machine["steal_cpu_s"], "worst_cpus": machine["worst_steal_cpus"],
+            "spells": len(machine["steal_spells"])}
 
 
 def _warm_up(stack: StartedConfig, model: str) -> None:
