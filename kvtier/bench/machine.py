@@ -24,6 +24,8 @@ STAT = "/proc/stat"
 SPELL_CPUS = 0.25
 """Steal at this rate (CPUs' worth) or more makes a spell."""
 MAX_SPELLS = 50
+_HZ = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+"""/proc/stat's ticks a second."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,8 @@ def read_stat(path: str = STAT) -> tuple[float, float, float] | None:
         ticks = [int(v) for v in fields[1:]]
     except ValueError:
         return None
-    hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
     # user nice system idle iowait irq softirq steal [guest guest_nice: inside user, nice]
-    return sum(ticks[:8]) / hz, ticks[4] / hz, ticks[7] / hz
+    return sum(ticks[:8]) / _HZ, ticks[4] / _HZ, ticks[7] / _HZ
 
 
 def summarize(samples: Sequence[Sample], spell_cpus: float = SPELL_CPUS) -> dict[str, Any] | None:
@@ -82,11 +83,12 @@ def summarize(samples: Sequence[Sample], spell_cpus: float = SPELL_CPUS) -> dict
     if len(spells) > MAX_SPELLS:
         spells = sorted(sorted(spells, key=lambda s: s[1] - s[0])[-MAX_SPELLS:])
     total = last.total_s - first.total_s
+    stolen_all = last.steal_s - first.steal_s
     return {
         "seconds": round(elapsed, 3),
-        "steal_cpu_s": round(last.steal_s - first.steal_s, 3),
+        "steal_cpu_s": round(stolen_all, 3),
         "iowait_cpu_s": round(last.iowait_s - first.iowait_s, 3),
-        "steal_share": round((last.steal_s - first.steal_s) / total, 4) if total > 0 else None,
+        "steal_share": round(stolen_all / total, 4) if total > 0 else None,
         "worst_steal_cpus": round(worst, 3),
         "steal_spells": [[round(s, 3), round(e, 3), round(c, 3)] for s, e, c in spells],
     }
