@@ -22,7 +22,8 @@ steps. How much each stream adds to a step is measured, not assumed: each stream
 a sample of the time between its chunks against the streams decoding beside it (their count
 averaged over its time from first byte to end), kept per count (:class:`StepModel`); the
 slope of step time over count is the seconds one more stream adds to every step. The ``cache``
-strategy turns it into a crowding cost (:meth:`BackendLoad.crowding_s`). A router's backends
+strategy turns it into a crowding cost (:meth:`BackendLoad.crowding_s`): the steps a newcomer
+would share with each stream there, by when that stream began and will end. A router's backends
 share one step model: the instances behind one router run one model on like hardware, and a
 fit per backend, each on its own few samples, differed by its noise (one backend's slope
 still unknown, 0 crowding, while the other's was measured) and sent every request to the
@@ -134,16 +135,28 @@ class BackendLoad:
         others."""
         return sum(1 for f in self._flights.values() if f.first_byte is not None) + self.others
 
-    def crowding_s(self) -> float:
-        """What decoding here costs a newcomer beyond decoding alone, as measured: each of
-        the ``n`` streams that will decode beside it (every flight, and the others) makes
-        each of its steps ``slope`` longer, and it makes each of theirs longer for about
-        half an answer: ``1.5 * n * slope * steps_per_answer``. 0 until measured."""
+    def crowding_s(self, now: float) -> float:
+        """What decoding here costs a newcomer sent ``now`` beyond decoding alone, and it the
+        streams beside it, as measured: each step it shares with another stream is ``slope``
+        longer for both. The newcomer decodes from when its prefill could end (the queue,
+        then a mean prefill) for an answer's decode time; each of the router's flights from
+        its first byte (still prefilling: its predicted one, no later than the newcomer's)
+        for the same; their overlap in steps counts twice (it, and them). A stream about to
+        end costs a newcomer little, one just starting its whole answer. The backend's
+        others, whose progress the router does not see, count 1.5 answers each (the
+        newcomer's, and half of theirs). 0 until measured."""
         slope = self.steps.slope_s()
-        if slope is None or self.itl_s.value <= 0:
+        itl = self.itl_s.value
+        if slope is None or itl <= 0:
             return 0.0
-        steps = self.decode_s.value / self.itl_s.value
-        return 1.5 * (self.in_flight + self.others) * slope * steps
+        answer = self.decode_s.value
+        start = now + self.wait_s(now) + self.mean_prefill_s.value
+        shared = 0.0
+        for f in self._flights.values():
+            begins = f.first_byte if f.first_byte is not None else min(
+                start, max(now, f.sent + f.predicted_s))
+            shared += max(0.0, min(begins + answer - start, answer))
+        return slope * (2 * shared + 1.5 * self.others * answer) / itl
 
     def wait_s(self, now: float) -> float:
         return max(0.0, self.busy_until - now) + self.others * self.mean_prefill_s.value

@@ -179,15 +179,43 @@ def test_a_flight_knows_how_many_streams_decoded_beside_it() -> None:
 def test_crowding_is_what_the_streams_beside_a_newcomer_cost_it_and_it_them() -> None:
     load = BackendLoad(5000.0, 1.0)
     load.start(0.1, now=0.0)
-    assert load.crowding_s() == 0.0, "nothing measured yet: not counted"
+    assert load.crowding_s(0.0) == 0.0, "nothing measured yet: not counted"
     load.observe(running=3, waiting=0)  # one of the router's and two it did not send
     assert load.others == 2
     load.itl_s.add(0.010)
     load.decode_s.add(0.32)  # 32 steps an answer
     load.steps.add(1, 0.004)
     load.steps.add(3, 0.008)  # 2 ms a stream
-    # 3 streams beside it: 1.5 x 3 x 0.002 s x 32 steps
-    assert load.crowding_s() == pytest.approx(0.288)
+    # the newcomer waits 0.1 s (the flight) + 2 x 0.1 s (the others' mean prefill), then
+    # prefills 0.1 s: it decodes from 0.4 s; the flight from 0.1 s to 0.42 s: 2 steps shared
+    # (2 x 2), and the two others 1.5 answers each (2 x 1.5 x 32)
+    assert load.crowding_s(0.0) == pytest.approx(0.002 * (2 * 2 + 2 * 1.5 * 32))
+
+
+def test_a_stream_about_to_end_crowds_a_newcomer_less_than_one_starting() -> None:
+    """The steps a newcomer would share with a stream, not a stream: a backend whose two
+    streams are near their ends is less crowded for it than one whose one request is still
+    prefilling its whole answer ahead (counting streams alike sent newcomers to queue behind
+    a prefill beside an instance about to be free, and cost `cache` its p99 on a fast
+    shared tier)."""
+    pool = BackendPool(RouterConfig(("http://a:1", "http://b:1"), (None, None)))
+    starting, ending = (backend.load for backend in pool)
+    for load in (starting, ending):
+        load.itl_s.add(0.010)
+        load.decode_s.add(0.32)
+    pool.steps.add(1, 0.004)
+    pool.steps.add(3, 0.008)  # 2 ms a stream
+    for sent in (0.0, 0.1):
+        fid = ending.start(0.1, now=sent)
+        ending.first_byte(fid, sent + 0.1)
+    starting.start(0.1, now=0.5)
+    # at 0.55: `ending`'s streams end at 0.42 and 0.52, before a newcomer could decode
+    # there (0.65); `starting`'s flight decodes from 0.6 to 0.92, a newcomer, queued behind
+    # it, from 0.7: 22 steps shared
+    assert ending.crowding_s(0.55) == 0.0
+    assert starting.crowding_s(0.55) == pytest.approx(0.002 * 2 * 22)
+    # still prefilling past its prediction: its answer is still all ahead, none of it spent
+    assert starting.crowding_s(0.7) == pytest.approx(starting.crowding_s(0.55))
 
 
 def test_a_pool_measures_one_step_model_for_all_its_backends() -> None:
@@ -201,13 +229,14 @@ def test_a_pool_measures_one_step_model_for_all_its_backends() -> None:
         load.itl_s.add(0.010)
         load.decode_s.add(0.32)
     a.steps.add(1, 0.004)
-    assert b.crowding_s() == 0.0, "one count: no slope yet"
+    assert b.crowding_s(0.0) == 0.0, "one count: no slope yet"
     b.steps.add(3, 0.008)
-    a.start(0.1, now=0.0)
-    b.start(0.1, now=0.0)
-    b.start(0.1, now=0.0)
-    assert a.crowding_s() == pytest.approx(1.5 * 1 * 0.002 * 32)
-    assert b.crowding_s() == pytest.approx(2 * a.crowding_s())
+    for load, streams in ((a, 1), (b, 2)):
+        for _ in range(streams):
+            load.first_byte(load.start(0.1, now=0.0), 0.0)
+    # each stream decodes from 0 to 0.32, a newcomer from 0.1 (a mean prefill): 22 steps
+    assert a.crowding_s(0.0) == pytest.approx(0.002 * 2 * 22)
+    assert b.crowding_s(0.0) == pytest.approx(2 * a.crowding_s(0.0))
 
 
 def test_a_backend_not_measured_yet_takes_its_peers_prefill_speed() -> None:

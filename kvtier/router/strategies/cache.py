@@ -98,7 +98,7 @@ class CacheAware(Strategy):
         scored: list[Scored] = []
         for i, (backend, keys) in enumerate(zip(candidates, keysets, strict=True)):
             load = backend.load
-            crowd = self._crowd_s(backend)
+            crowd = self._crowd_s(backend, now)
             tie = (load.in_flight, (i - turn) % len(candidates))
             ask = self._ask(backend, keys)
             waited = final or ask is None or ask in answers
@@ -124,17 +124,18 @@ class CacheAware(Strategy):
 
     def _explain(self, s: Scored) -> str:
         b, p = s.backend, s.prediction
+        crowd = self._crowd_s(b, self.ctx.clock())
         return (f"{b.name} ttft {p.ttft_s:.4f} wait {p.wait_s:.4f} load {p.load_s:.4f} "
-                f"held {p.held_tokens} crowd {self._crowd_s(b):.4f} others {b.load.others} "
+                f"held {p.held_tokens} crowd {crowd:.4f} others {b.load.others} "
                 f"flights {b.load.in_flight} speed {b.load.speed.value:.0f}"
                 f"{'' if s.waited else ' (lookup not waited for)'}")
 
-    def _crowd_s(self, backend: Backend) -> float:
+    def _crowd_s(self, backend: Backend, now: float) -> float:
         """What the streams on ``backend`` cost a newcomer there beyond its prefill queue:
         ``decode_weight`` of the measured crowding (:meth:`BackendLoad.crowding_s`); at
         weight 0 the slope is not fitted on every decision."""
         weight = self.ctx.config.cost.decode_weight
-        return weight * backend.load.crowding_s() if weight else 0.0
+        return weight * backend.load.crowding_s(now) if weight else 0.0
 
     @staticmethod
     def _reason(winner: Backend, scored: Sequence[Scored]) -> str:
