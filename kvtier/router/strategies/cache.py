@@ -52,6 +52,8 @@ class Scored:
     """The lowest rank its node server's answer could give it (its rank once answered)."""
     backend: Backend
     prediction: Prediction
+    crowd_s: float
+    """The crowding counted in its rank (:meth:`CacheAware._crowd_s` at the decision's now)."""
     keys: PromptKeys | None
     waited: bool = True
     """False: its node server's answer was not waited for (the others settled the choice);
@@ -113,7 +115,7 @@ class CacheAware(Strategy):
             lowest = rank if waited else (round(lower_bound(
                 known.prompt_tokens, known.chunk_tokens, load.speed.value, wait) + crowd, 6),
                 *tie)
-            scored.append(Scored(rank, lowest, backend, pred, keys, waited))
+            scored.append(Scored(rank, lowest, backend, pred, crowd, keys, waited))
         return scored
 
     @staticmethod
@@ -124,9 +126,8 @@ class CacheAware(Strategy):
 
     def _explain(self, s: Scored) -> str:
         b, p = s.backend, s.prediction
-        crowd = self._crowd_s(b, self.ctx.clock())
         return (f"{b.name} ttft {p.ttft_s:.4f} wait {p.wait_s:.4f} load {p.load_s:.4f} "
-                f"held {p.held_tokens} crowd {crowd:.4f} others {b.load.others} "
+                f"held {p.held_tokens} crowd {s.crowd_s:.4f} others {b.load.others} "
                 f"flights {b.load.in_flight} speed {b.load.speed.value:.0f}"
                 f"{'' if s.waited else ' (lookup not waited for)'}")
 
