@@ -7,9 +7,10 @@ increase over the measured rounds is the run's hit quality per tier even when ea
 response says nothing (see :mod:`kvtier.bench.openai_client`).
 
 A fleet has one such page per instance, and ``kvtier route`` one of its own that counts its
-decisions by reason (``affinity``, ``load``, ...): :func:`scrape_all` sums several pages, so a
-run against a fleet reads where its hits came from on every instance, and why the router sent
-each request where it did.
+decisions by reason (``affinity``, ``load``, ...) and times its own work on each (the whole
+decision, keying the prompt, waiting for node lookups): :func:`scrape_all` sums several
+pages, so a run against a fleet reads where its hits came from on every instance, why the
+router sent each request where it did, and what deciding cost it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ KVTIER_LOADED = "vllm:kvtier_loaded_tokens_total"
 KVTIER_FAILED = "vllm:kvtier_failed_load_tokens_total"
 DECISIONS = "kvtier_router_decisions_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
+ROUTER_WORK = {"decision": "kvtier_router_decision_seconds",
+               "keying": "kvtier_router_keying_seconds",
+               "lookup": "kvtier_router_lookup_seconds"}
+"""The router's histograms of its own work per request (their ``_sum`` and ``_count``)."""
+_WORK_SERIES = tuple(f"{h}{part}" for h in ROUTER_WORK.values() for part in ("_sum", "_count"))
 Counters = dict[str, float]
 
 
@@ -35,7 +41,7 @@ def parse(text: str) -> Counters:
     router's decisions)."""
     out: Counters = {}
     for s in samples(text, (PROMPT, BY_SOURCE, KVTIER_LOADED, KVTIER_FAILED, DECISIONS,
-                                PREEMPTIONS)):
+                                PREEMPTIONS, *_WORK_SERIES)):
         sub = s.labels.get("source") or s.labels.get("tier") or s.labels.get("reason")
         key = f"{s.name}|{sub}" if sub else s.name
         out[key] = out.get(key, 0.0) + s.value
@@ -67,7 +73,8 @@ def scrape_all(urls: Sequence[str], timeout_s: float = 10.0) -> Counters | None:
 def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
     """Prompt tokens and cached tokens by source over the interval, the requests vLLM
     preempted (out of device blocks: each recomputes or reloads what it had), kvtier's
-    loads, and the router's decisions by reason."""
+    loads, the router's decisions by reason and the mean of its own work on each (in
+    milliseconds, over the requests that needed it)."""
     def d(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -88,4 +95,8 @@ def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, 
     reasons = sorted({k.split("|", 1)[1] for k in after if k.startswith(DECISIONS + "|")})
     if reasons:
         out["router_decisions"] = {r: int(d(f"{DECISIONS}|{r}")) for r in reasons}
+    work = {what: 1000 * d(f"{h}_sum") / n for what, h in ROUTER_WORK.items()
+            if (n := d(f"{h}_count")) > 0}
+    if work:
+        out["router_work_ms"] = {k: round(v, 3) for k, v in work.items()}
     return out

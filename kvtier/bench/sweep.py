@@ -358,6 +358,7 @@ def run_of(result: dict[str, Any], rel: str, stack: StartedConfig) -> dict[str, 
             "endpoint_cached_by_source": endpoint.get("cached_tokens_by_source"),
             "endpoint_loaded_by_tier": endpoint.get("kvtier_loaded_tokens"),
             "router_decisions": endpoint.get("router_decisions"),
+            "router_work_ms": endpoint.get("router_work_ms"),
             "preemptions": endpoint.get("preemptions"),
             "machine_steal": _steal(result.get("machine")),
             "error": error, "result": rel}

@@ -48,6 +48,13 @@ ROUTER_PAGE = """# TYPE kvtier_router_decisions counter
 kvtier_router_decisions_total{strategy="cache",reason="affinity"} 30.0
 kvtier_router_decisions_total{strategy="cache",reason="load"} 4.0
 kvtier_router_decisions_created{strategy="cache",reason="load"} 1.7e9
+# TYPE kvtier_router_decision_seconds histogram
+kvtier_router_decision_seconds_bucket{strategy="cache",le="+Inf"} 34.0
+kvtier_router_decision_seconds_count{strategy="cache"} 34.0
+kvtier_router_decision_seconds_sum{strategy="cache"} 0.17
+# TYPE kvtier_router_keying_seconds histogram
+kvtier_router_keying_seconds_count 30.0
+kvtier_router_keying_seconds_sum 0.09
 """
 
 
@@ -94,6 +101,11 @@ def test_a_fleets_pages_are_summed_and_the_routers_decisions_read_by_reason() ->
     before = {f"{prom.DECISIONS}|affinity": 10.0, prom.PROMPT: 1000.0}
     delta = prom.delta(before, total)
     assert delta["router_decisions"] == {"affinity": 20, "load": 4}
+    # the router's own work: means over the interval's requests; no lookups timed, none said
+    assert delta["router_work_ms"] == {"decision": 5.0, "keying": 3.0}
+    later = {**total, f"{prom.ROUTER_WORK['decision']}_sum": 0.27,
+             f"{prom.ROUTER_WORK['decision']}_count": 44.0}
+    assert prom.delta(total, later)["router_work_ms"] == {"decision": 10.0}
     assert delta["preemptions"] == 6  # absent before: counted from 0
     assert "preemptions" not in prom.delta({}, prom.parse(ROUTER_PAGE))  # no vLLM page
 
