@@ -8,6 +8,8 @@
 - Goodput: requests meeting every target (``ttft``, ``itl`` = the request's mean
   inter-token latency, ``tpot``, ``e2e``; seconds) per second and as a share of all measured
   requests (a failed request never meets them).
+- The router's estimates (``kvtier route --strategy cache`` says each one in a header): the
+  actual first token less the predicted, over the requests that had one (``estimate``).
 - Hits: prompt tokens by where their KV came from, summed over requests that said so;
   ``hit_ratio`` is the share not recomputed. ``by_class`` groups requests by the source that
   supplied most of their prompt, with its TTFT: the quality of each tier's hits.
@@ -117,8 +119,28 @@ def summarize(results: Sequence[RequestResult], duration_s: float,
                     "ratio": good / len(results) if results else 0.0,
                     "requests_per_s": rate(good)},
         "kv": kv_summary(ok, endpoint),
+        "estimate": estimate_summary(ok),
         "endpoint": dict(endpoint) if endpoint else None,
     }
+
+
+def estimate_summary(ok: Sequence[RequestResult]) -> dict[str, Any] | None:
+    """How the router's predicted first token compared with the client's: the error
+    (actual less predicted; the client's clock also counts the router's decision and the
+    network) at its median and quartiles, and its absolute value at p90. None when no
+    request carried an estimate."""
+    pairs = [(r.ttft_s, e) for r in ok
+             if r.ttft_s is not None and r.estimate
+             and isinstance(e := r.estimate.get("ttft"), float)]
+    if not pairs:
+        return None
+    errors = [actual - predicted for actual, predicted in pairs]
+    return {"requests": len(pairs),
+            "predicted_p50_s": percentile([p for _, p in pairs], 50),
+            "actual_p50_s": percentile([a for a, _ in pairs], 50),
+            "error_p25_s": percentile(errors, 25), "error_p50_s": percentile(errors, 50),
+            "error_p75_s": percentile(errors, 75),
+            "abs_error_p90_s": percentile([abs(e) for e in errors], 90)}
 
 
 def kv_summary(ok: Sequence[RequestResult], endpoint: Mapping[str, Any] | None

@@ -16,7 +16,7 @@ from kvtier.tables import table
 
 CSV_COLUMNS = ("user", "round", "warmup", "start_s", "ttft_s", "e2e_s", "mean_itl_s",
                "max_itl_s", "prompt_tokens", "output_tokens", "kv_source", "kv_tokens",
-               "backend", "error")
+               "backend", "estimate", "error")
 
 
 def request_row(r: RequestResult) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def request_row(r: RequestResult) -> dict[str, Any]:
         "mean_itl_s": _r(mean_itl(r)), "max_itl_s": _r(max(r.itl_s) if r.itl_s else None),
         "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
         "kv_source": r.kv_source, "kv_tokens": r.kv_tokens, "backend": r.backend,
-        "error": r.error,
+        "estimate": r.estimate, "error": r.error,
     }
 
 
@@ -54,6 +54,9 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> None:
             tokens = cells.get("kv_tokens")
             cells["kv_tokens"] = (";".join(f"{k}={v}" for k, v in tokens.items())
                                   if tokens else "")
+            estimate = cells.get("estimate")
+            cells["estimate"] = (";".join(f"{k}={v}" for k, v in estimate.items())
+                                 if estimate else "")
             writer.writerow(cells)
 
 

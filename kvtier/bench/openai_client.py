@@ -13,7 +13,9 @@ Where the prompt's KV came from is read, in this order, from:
    details``, OpenAI): prefix-cached tokens, device and connector together.
 
 A router that names the instance it chose (``kvtier route``'s ``X-Kvtier-Backend``) has it
-recorded in ``RequestResult.backend``: a fleet run's slow requests can then be placed.
+recorded in ``RequestResult.backend``: a fleet run's slow requests can then be placed. Its
+estimate for that instance (``X-Kvtier-Estimate``, the ``cache`` strategy's) is kept in
+``RequestResult.estimate``: each request's predicted first token beside its actual one.
 
 Errors never raise out of :meth:`Endpoint.send`: they come back in ``RequestResult.error``.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,6 +36,12 @@ KV_KVTIER = "kvtier"
 KV_CACHED = "cached_tokens"
 BACKEND_HEADER = "X-Kvtier-Backend"
 """``kvtier route``'s header naming the instance (:data:`kvtier.router.proxy.BACKEND_HEADER`)."""
+ESTIMATE_HEADER = "X-Kvtier-Estimate"
+"""``kvtier route``'s estimate for it (:func:`kvtier.router.cost.estimate_header`)."""
+MAX_ESTIMATE_FIELDS = 16
+"""The most fields of an estimate kept (a header is whatever the endpoint sends)."""
+MAX_ESTIMATE_VALUE = 64
+"""The longest value of one field, in characters."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,9 @@ class RequestResult:
     backend: str | None = None
     """The instance that served it, where a router names it (``kvtier route``'s
     ``X-Kvtier-Backend`` header), else None."""
+    estimate: dict[str, float | str] | None = None
+    """The router's estimate for that instance (``X-Kvtier-Estimate``: ``ttft``, its parts,
+    ``crowd``, ``held``, ``reason``, ...), else None."""
     error: str | None = None
     text: str = ""
 
@@ -154,6 +166,7 @@ class Endpoint:
         async with self._http.stream("POST", path, json=self.body(spec),
                                      headers=headers) as resp:
             result.backend = resp.headers.get(BACKEND_HEADER)
+            result.estimate = parse_estimate(resp.headers.get(ESTIMATE_HEADER))
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:200]}"
@@ -189,6 +202,7 @@ class Endpoint:
                      result: RequestResult) -> None:
         resp = await self._http.post(path, json=self.body(spec), headers=headers)
         result.backend = resp.headers.get(BACKEND_HEADER)
+        result.estimate = parse_estimate(resp.headers.get(ESTIMATE_HEADER))
         if resp.status_code != 200:
             result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
             return
@@ -238,3 +252,26 @@ def _read_accounting(event: dict[str, Any], result: RequestResult) -> None:
         result.kv_source = KV_KVTIER
         if result.prompt_tokens is None and kvtier.get("prompt_tokens") is not None:
             result.prompt_tokens = int(kvtier["prompt_tokens"])
+
+
+def parse_estimate(value: str | None) -> dict[str, float | str] | None:
+    """``ttft=0.1612; wait=0; ...; reason=affinity`` as a dict: numbers as floats, the rest
+    as text (at most :data:`MAX_ESTIMATE_VALUE` characters). None when absent or not of that
+    form (a part without ``=``, a name that is not a word); at most
+    :data:`MAX_ESTIMATE_FIELDS` fields are read."""
+    if not value:
+        return None
+    out: dict[str, float | str] = {}
+    parts = [p for p in value.split(";") if p.strip()]
+    for part in parts[:MAX_ESTIMATE_FIELDS]:
+        name, sep, text = part.partition("=")
+        name, text = name.strip(), text.strip()
+        if not sep or not name.isidentifier() or len(text) > MAX_ESTIMATE_VALUE:
+            return None
+        try:
+            number = float(text)
+        except ValueError:
+            out[name] = text
+            continue
+        out[name] = number if math.isfinite(number) else text
+    return out or None

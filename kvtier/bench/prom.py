@@ -29,8 +29,12 @@ DECISIONS = "kvtier_router_decisions_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 ROUTER_WORK = {"decision": "kvtier_router_decision_seconds",
                "keying": "kvtier_router_keying_seconds",
-               "lookup": "kvtier_router_lookup_seconds"}
-"""The router's histograms of its own work per request (their ``_sum`` and ``_count``)."""
+               "lookup": "kvtier_router_lookup_seconds",
+               "first_byte": "kvtier_router_first_byte_seconds",
+               "loop_lag": "kvtier_router_loop_lag_seconds"}
+"""The router's histograms of its own work per request (their ``_sum`` and ``_count``), of
+the time from a request's arrival to its backend's first byte, and of how late its event
+loop woke (every request in flight waited that long)."""
 _WORK_SERIES = tuple(f"{h}{part}" for h in ROUTER_WORK.values() for part in ("_sum", "_count"))
 Counters = dict[str, float]
 

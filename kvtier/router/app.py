@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvtier.router.accounting import Accounting
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.config import RouterConfig
-from kvtier.router.cost import RECOMPUTED
+from kvtier.router.cost import RECOMPUTED, estimate_header
 from kvtier.router.health import HealthMonitor
 from kvtier.router.history import DeviceHistory
 from kvtier.router.holdings import Holdings
@@ -46,6 +46,7 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.parts import PartsCollector
 from kvtier.router.proxy import (
     BACKEND_HEADER,
+    ESTIMATE_HEADER,
     BackendFailed,
     error_response,
     forward,
@@ -315,9 +316,12 @@ class Router:
         # aiohttp sends a URL's credentials as Basic auth, and refuses a second Authorization
         keep = not self.tenants.need_key and userinfo(backend.url) is None
         headers = outgoing_headers(request.headers, self._backend_auth, keep_client_auth=keep)
+        ours = {BACKEND_HEADER: backend.name}
+        if pred is not None and req.tenant.may_see_tier_details:
+            ours[ESTIMATE_HEADER] = estimate_header(pred, decision.crowd_s, decision.reason)
         try:
             response, outcome = await forward(
-                self._session_or_fail(), backend.url + request.path_qs, backend.name, req.raw,
+                self._session_or_fail(), backend.url + request.path_qs, ours, req.raw,
                 headers, request, self._timeout, lambda t: load.first_byte(fid, t),
                 strip_details=not req.tenant.may_see_tier_details)
         finally:

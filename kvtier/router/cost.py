@@ -51,6 +51,16 @@ class Prediction:
         return dominant(self.sources)
 
 
+def estimate_header(pred: Prediction, crowd_s: float, reason: str) -> str:
+    """A prediction as ``kvtier route`` reports it on the answer (``X-Kvtier-Estimate``):
+    seconds to the first token and their parts (queue ahead, waiting for loads, prefill),
+    the crowding counted beside it, prompt tokens held and recomputed, and the decision's
+    reason. A client can set each request's actual first token against it."""
+    return (f"ttft={pred.ttft_s:.4f}; wait={pred.wait_s:.4f}; load={pred.load_s:.4f}; "
+            f"prefill={pred.prefill_s:.4f}; crowd={crowd_s:.4f}; held={pred.held_tokens}; "
+            f"recomputed={pred.sources.get(RECOMPUTED, 0)}; reason={reason}")
+
+
 def dominant(sources: dict[str, int]) -> str:
     held = {k: v for k, v in sources.items() if k != RECOMPUTED and v > 0}
     return max(held, key=lambda k: held[k]) if held else RECOMPUTED

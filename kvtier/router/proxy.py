@@ -40,6 +40,11 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                         "transfer-encoding", "upgrade", "host", "content-length"})
 _NOT_BACK = HOP_BY_HOP | {"date", "server"}
 BACKEND_HEADER = "X-Kvtier-Backend"
+ESTIMATE_HEADER = "X-Kvtier-Estimate"
+"""The ``cache`` strategy's estimate for the backend it chose
+(:func:`kvtier.router.cost.estimate_header`)."""
+_NOT_OURS = _NOT_BACK | {BACKEND_HEADER.lower(), ESTIMATE_HEADER.lower()}
+"""Also the router's own headers: a backend's are dropped (it cannot speak for the router)."""
 ENGINE_DEAD = (b"EngineDeadError", b"EngineCore encountered an issue",
                b"cannot schedule new futures after shutdown")
 """How vLLM 0.32 words an answer from an API server whose EngineCore is gone, or that is
@@ -89,17 +94,19 @@ def outgoing_headers(client: Mapping[str, str], authorization: str | None,
     return out
 
 
-def _back_headers(backend: Mapping[str, str], backend_name: str) -> CIMultiDict[str]:
+def _back_headers(backend: Mapping[str, str], ours: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in backend.items() if k.lower() not in _NOT_BACK)
-    out[BACKEND_HEADER] = backend_name
+        (k, v) for k, v in backend.items() if k.lower() not in _NOT_OURS)
+    out.update(ours)
     return out
 
 
-async def forward(session: aiohttp.ClientSession, url: str, backend_name: str, raw: bytes,
+async def forward(session: aiohttp.ClientSession, url: str, ours: Mapping[str, str], raw: bytes,
                   headers: CIMultiDict[str], client: web.Request, timeout: aiohttp.ClientTimeout,
                   on_first_byte: Callable[[float], None], *, strip_details: bool = False
                   ) -> tuple[web.StreamResponse, Outcome]:
+    """``raw`` to the backend at ``url``, its answer to ``client`` (streamed as it comes),
+    with the router's own headers ``ours`` on it in place of any the backend sent."""
     try:
         resp = await session.post(url, data=raw, headers=headers, timeout=timeout,
                                   skip_auto_headers=("Accept-Encoding", "Content-Type"))
@@ -111,12 +118,12 @@ async def forward(session: aiohttp.ClientSession, url: str, backend_name: str, r
         raise BackendFailed(f"{type(exc).__name__}: {exc}", down=True) from exc
     async with resp:
         if resp.content_type == "text/event-stream":
-            return await _stream(resp, backend_name, client, on_first_byte,
+            return await _stream(resp, ours, client, on_first_byte,
                                  StreamStripper() if strip_details else None)
-        return await _whole(resp, backend_name, on_first_byte, strip_details)
+        return await _whole(resp, ours, on_first_byte, strip_details)
 
 
-async def _whole(resp: aiohttp.ClientResponse, backend_name: str,
+async def _whole(resp: aiohttp.ClientResponse, ours: Mapping[str, str],
                  on_first_byte: Callable[[float], None], strip_details: bool
                  ) -> tuple[web.StreamResponse, Outcome]:
     try:
@@ -140,11 +147,11 @@ async def _whole(resp: aiohttp.ClientResponse, backend_name: str,
     if strip_details:
         body = strip_body(body)
     out = web.Response(status=resp.status, reason=resp.reason, body=body,
-                       headers=_back_headers(resp.headers, backend_name))
+                       headers=_back_headers(resp.headers, ours))
     return out, outcome
 
 
-async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.Request,
+async def _stream(resp: aiohttp.ClientResponse, ours: Mapping[str, str], client: web.Request,
                   on_first_byte: Callable[[float], None], stripper: StreamStripper | None
                   ) -> tuple[web.StreamResponse, Outcome]:
     try:
@@ -158,7 +165,7 @@ async def _stream(resp: aiohttp.ClientResponse, backend_name: str, client: web.R
     outcome = Outcome(resp.status, True, time.monotonic())
     on_first_byte(outcome.first_byte or 0.0)
     out = web.StreamResponse(status=resp.status, reason=resp.reason,
-                             headers=_back_headers(resp.headers, backend_name))
+                             headers=_back_headers(resp.headers, ours))
     await out.prepare(client)
     chunk = first
     while chunk:

@@ -30,6 +30,8 @@ class StubState:
     kv_on_stream: bool = False
     backend: str | None = None
     """Named in an ``X-Kvtier-Backend`` header, as ``kvtier route`` does."""
+    estimate: str | None = None
+    """Sent as ``X-Kvtier-Estimate``, as ``kvtier route --strategy cache`` does."""
     ttft_s: float = 0.02
     token_s: float = 0.004
     failures: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -75,6 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _name_backend(self) -> None:
         if self.server.state.backend is not None:
             self.send_header("X-Kvtier-Backend", self.server.state.backend)
+        if self.server.state.estimate is not None:
+            self.send_header("X-Kvtier-Estimate", self.server.state.estimate)
 
     def _json(self, status: int, doc: object) -> None:
         data = json.dumps(doc).encode()

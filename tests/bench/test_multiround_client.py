@@ -15,7 +15,13 @@ import pytest
 from stub_server import StubState, stub_server
 
 from kvtier.bench.multiround import Options, execute
-from kvtier.bench.openai_client import Endpoint, EndpointConfig, RequestSpec
+from kvtier.bench.openai_client import (
+    MAX_ESTIMATE_FIELDS,
+    Endpoint,
+    EndpointConfig,
+    RequestSpec,
+    parse_estimate,
+)
 from kvtier.bench.runner import LoadConfig
 from kvtier.bench.workload import WorkloadConfig
 from kvtier.cli import main
@@ -90,6 +96,35 @@ def test_the_backend_a_router_names_is_recorded_per_request(stream: bool) -> Non
     # each request's send time on the Unix clock, to line it up with the backends' logs
     assert 0 < time.time() - named["t0_unix"] - named["requests"][0]["start_s"] < 60
     assert all(r["backend"] is None for r in unnamed["requests"])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_the_routers_estimate_is_kept_per_request_and_set_against_the_actual(
+        stream: bool) -> None:
+    said = ("ttft=0.0100; wait=0.0000; load=0.0020; prefill=0.0080; crowd=0.0310; held=512; "
+            "recomputed=16; reason=affinity")
+    with stub_server(StubState(estimate=said, ttft_s=0.05)) as (url, _):
+        doc = execute(opts(url, stream=stream), progress=False)
+    assert all(r["estimate"] == {"ttft": 0.01, "wait": 0.0, "load": 0.002, "prefill": 0.008,
+                                 "crowd": 0.031, "held": 512.0, "recomputed": 16.0,
+                                 "reason": "affinity"} for r in doc["requests"])
+    est = doc["summary"]["estimate"]
+    if not stream:  # a whole answer has no first token to set against it
+        assert est is None
+        return
+    assert est["requests"] == 9 and est["predicted_p50_s"] == pytest.approx(0.01)
+    # the stub answers 0.05 s late at the least: the router's estimate was that much short
+    assert est["error_p25_s"] >= 0.035 and est["error_p50_s"] >= 0.035
+    assert est["abs_error_p90_s"] >= est["error_p50_s"]
+
+
+def test_an_estimate_header_not_of_its_form_is_refused_and_a_long_one_cut() -> None:
+    for said in ("", "ttft", "=1", "ttft=1; wait", "two words=1", "ttft=" + "1" * 65, ";"):
+        assert parse_estimate(said) is None, said
+    assert parse_estimate(" ttft = nan ; reason=x; ") == {"ttft": "nan", "reason": "x"}, \
+        "no number that is not finite; spaces and a trailing separator are fine"
+    many = parse_estimate("; ".join(f"f{i}={i}" for i in range(40)))
+    assert many == {f"f{i}": float(i) for i in range(MAX_ESTIMATE_FIELDS)}
 
 
 def test_an_endpoint_that_says_nothing_leaves_hits_unknown() -> None:
@@ -190,7 +225,7 @@ def test_api_key_and_user_header_are_sent(tmp_path: Path) -> None:
 def test_command_line_writes_json_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                           ) -> None:
     out, table = tmp_path / "run.json", tmp_path / "run.csv"
-    with stub_server() as (url, _):
+    with stub_server(StubState(estimate="ttft=0.02; held=64; reason=affinity")) as (url, _):
         rc = main(["bench", "multiround", "--url", url, "--num-users", "2", "--num-rounds", "2",
                    "--shared-system-prompt", "32", "--user-history-prompt", "64",
                    "--answer-len", "4", "--goodput", "ttft:5", "itl:1", "--json", str(out),
@@ -200,6 +235,7 @@ def test_command_line_writes_json_and_csv(tmp_path: Path, capsys: pytest.Capture
     assert doc["metrics"]["goodput_ratio"] == 1.0 and doc["endpoint"]["api"] == "completions"
     rows = list(csv.DictReader(table.open()))
     assert len(rows) == 4 and rows[0]["user"] == "0" and "cached=" in rows[-1]["kv_tokens"]
+    assert rows[0]["estimate"] == "ttft=0.02;held=64.0;reason=affinity"
     printed = capsys.readouterr().out
     assert "TTFT ms p50 / p95 / p99" in printed and "goodput" in printed
 

@@ -126,6 +126,8 @@ class StubBackend:
     stream_details: bool = False
     """Streams: the last event carries ``kv_transfer_params.kvtier``, written in two pieces
     split inside its line."""
+    answer_headers: dict[str, str] = field(default_factory=dict)
+    """Sent on every completion's answer (whole and streamed)."""
     seen: list[dict[str, Any]] = field(default_factory=list)
     health_headers: list[dict[str, str]] = field(default_factory=list)
     running: int = 0
@@ -198,7 +200,7 @@ class StubBackend:
             if body.get("stream"):
                 return await self._stream(request, body)
             await asyncio.sleep(self.token_s * max(0, self.tokens - 1))
-            return web.json_response({
+            return web.json_response(headers=self.answer_headers, data={
                 "id": "cmpl-stub", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": " w" * self.tokens, "finish_reason": "length"}],
                 "usage": {"prompt_tokens": len(body.get("prompt") or ""),
@@ -217,7 +219,8 @@ class StubBackend:
         return None
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           **self.answer_headers})
         await resp.prepare(request)
         if self.hang_first_byte:
             await asyncio.sleep(3600)

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+import pytest
 from stubs import (
     EngineModel,
     completion,
@@ -127,3 +128,51 @@ def test_cache_strategy_prefers_the_backend_holding_the_prefix(tmp_path: Path) -
             for server in nodes:
                 server.stop()
     asyncio.run(main())
+
+
+def test_cache_answers_say_the_estimate_that_chose_them_and_no_backend_can_forge_it(
+        tmp_path: Path) -> None:
+    forged = {"x-kvtier-estimate": "ttft=0.0000; reason=forged",
+              "x-kvtier-backend": "http://elsewhere"}
+
+    async def main() -> None:
+        server = node(tmp_path / "a", slots=64)
+        try:
+            async with stubs(1, answer_headers=forged) as backends:
+                urls = with_engines(backends, [server], speed=4000)
+                async with running_router(router_config(
+                        backends, strategy="cache", kvtier_servers=urls)) as router, \
+                        aiohttp.ClientSession() as s:
+                    await asyncio.sleep(0.3)
+                    url = f"http://127.0.0.1:{router.port}/v1/completions"
+                    prompt = [7000 + t for t in range(160)]  # 10 chunks of 16
+                    said = []
+                    for body in (completion(prompt), completion([*prompt, 1, 2]),
+                                 completion([*prompt, 3], stream=True)):
+                        status, _doc, h = await post(s, url, body)
+                        assert status == 200 and h["X-Kvtier-Backend"] == backends[0].url
+                        said.append(dict(part.split("=") for part in
+                                         h["X-Kvtier-Estimate"].split("; ")))
+                    assert said[0]["reason"] == "cold" and said[0]["held"] == "0"
+                    assert said[0]["recomputed"] == "160"
+                    # held in its device cache, by the router's history of what it sent
+                    assert said[1]["reason"] == "affinity" and said[1]["held"] == "160"
+                    assert said[1]["recomputed"] == "2" and said[2]["reason"] == "affinity"
+                    for one in said:
+                        parts = [float(one[k]) for k in ("wait", "load", "prefill")]
+                        assert float(one["ttft"]) == pytest.approx(sum(parts), abs=2e-4)
+                        assert float(one["crowd"]) >= 0
+        finally:
+            server.stop()
+
+    async def roundrobin() -> None:
+        async with stubs(1, answer_headers=forged) as backends, running_router(
+                router_config(backends)) as router, aiohttp.ClientSession() as s:
+            status, _doc, h = await post(s, f"http://127.0.0.1:{router.port}/v1/completions",
+                                         completion())
+            names = [k.lower() for k in h]
+            assert status == 200 and h["X-Kvtier-Backend"] == backends[0].url
+            assert names.count("x-kvtier-backend") == 1
+            assert "x-kvtier-estimate" not in names, "no estimate made: none said, none passed on"
+    asyncio.run(main())
+    asyncio.run(roundrobin())

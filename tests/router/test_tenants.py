@@ -66,9 +66,10 @@ def test_tenant_b_never_sees_or_loads_tenant_a_prefix(tmp_path: Path) -> None:
                 status, doc, _ = await post(s, url, completion(PROMPT), auth(KEY_A))
                 assert status == 200 and doc["kv_transfer_params"]["kvtier"]["tokens"] == {
                     "device": 0, "recomputed": 160}
-                status, doc, _ = await post(s, url, completion(PROMPT), auth(KEY_A))
+                status, doc, h = await post(s, url, completion(PROMPT), auth(KEY_A))
                 assert doc["kv_transfer_params"]["kvtier"]["tokens"]["arena"] == 160, \
                     "A sees its own hits"
+                assert "held=160;" in h["X-Kvtier-Estimate"], "and the router's estimate"
                 lookups = NodeLookups(s, 2.0)
                 held_a, _ = await lookups.one(node_url, salt_keys(tenants, "alice"))
                 held_b, _ = await lookups.one(node_url, salt_keys(tenants, "bob"))
@@ -77,9 +78,10 @@ def test_tenant_b_never_sees_or_loads_tenant_a_prefix(tmp_path: Path) -> None:
                 a_salt = backends[0].seen[0]["body"]["cache_salt"]
                 for own_salt in (None, a_salt):  # B even sends A's salt as its own
                     body = completion(PROMPT, **({"cache_salt": own_salt} if own_salt else {}))
-                    status, doc, _ = await post(s, url, body, auth(KEY_B))
+                    status, doc, h = await post(s, url, body, auth(KEY_B))
                     assert status == 200 and doc.get("kv_transfer_params") is None, \
                         "B gets no tier details"
+                    assert "X-Kvtier-Estimate" not in h, "nor what the router estimated"
                     sent = backends[0].seen[-1]["body"]["cache_salt"]
                     assert sent != a_salt and sent == tenants.salt(
                         next(t for t in tenants._by_digest.values() if t.name == "bob"),

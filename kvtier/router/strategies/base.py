@@ -25,6 +25,8 @@ class Decision:
     keys: PromptKeys | None = None
     """The prompt's keys on that backend, when the strategy computed them (the router then
     records the prefix in its device history)."""
+    crowd_s: float = 0.0
+    """What the streams there were counted to cost, beyond the prediction's TTFT (``cache``)."""
 
 
 @dataclass

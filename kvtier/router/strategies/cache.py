@@ -87,7 +87,7 @@ class CacheAware(Strategy):
         if log.isEnabledFor(logging.DEBUG):
             log.debug("cache: %s (%s) among %s", best.backend.name, reason,
                       "; ".join(self._explain(s) for s in scored))
-        return Decision(best.backend, reason, best.prediction, best.keys)
+        return Decision(best.backend, reason, best.prediction, best.keys, best.crowd_s)
 
     def _score(self, candidates: Sequence[Backend], keysets: Sequence[PromptKeys | None],
                known: PromptKeys, answers: Mapping[tuple[str, bytes], Answer], turn: int,
