@@ -17,6 +17,8 @@ from kvtier.tables import table
 CSV_COLUMNS = ("user", "round", "warmup", "start_s", "ttft_s", "e2e_s", "mean_itl_s",
                "max_itl_s", "prompt_tokens", "output_tokens", "kv_source", "kv_tokens",
                "backend", "estimate", "error")
+_MAPPINGS = ("kv_tokens", "estimate")
+"""The columns whose value is a mapping."""
 
 
 def request_row(r: RequestResult) -> dict[str, Any]:
@@ -51,12 +53,9 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> None:
         writer.writeheader()
         for row in rows:
             cells = dict(row)
-            tokens = cells.get("kv_tokens")
-            cells["kv_tokens"] = (";".join(f"{k}={v}" for k, v in tokens.items())
-                                  if tokens else "")
-            estimate = cells.get("estimate")
-            cells["estimate"] = (";".join(f"{k}={v}" for k, v in estimate.items())
-                                 if estimate else "")
+            for column in _MAPPINGS:  # one cell each: name=value;name=value
+                pairs = cells.get(column)
+                cells[column] = ";".join(f"{k}={v}" for k, v in pairs.items()) if pairs else ""
             writer.writerow(cells)
 
 

@@ -77,8 +77,10 @@ def scrape_all(urls: Sequence[str], timeout_s: float = 10.0) -> Counters | None:
 def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
     """Prompt tokens and cached tokens by source over the interval, the requests vLLM
     preempted (out of device blocks: each recomputes or reloads what it had), kvtier's
-    loads, the router's decisions by reason and the mean of its own work on each (in
-    milliseconds, over the requests that needed it)."""
+    loads, the router's decisions by reason, and the mean of each of its timings
+    (:data:`ROUTER_WORK`, in milliseconds, over the interval's observations: a decision,
+    keying and lookups per request that needed them, a first byte per answer, a lag per
+    wake of the loop)."""
     def d(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
