@@ -10,9 +10,13 @@ what each node server answered for ``ttl_s`` and adds what it did itself since:
   the same shared tier in its answers (each answer lists its server's shared tiers): another
   instance loads it from there, at the pace that node server's last answer showed for that
   tier. A lower tier's pace is its queue's (each answer's arrivals count the reads queued
-  there), which changes as fast as requests come and go: it stands for :data:`PACE_S` only,
-  and a node server that has not answered within it is asked (about one lookup per node
-  server a second, however many decisions).
+  there), which changes as fast as requests come and go: it stands for :data:`PACE_S` only.
+  A node server that has not answered within it is asked again in the background (about one
+  lookup per node server a second, however many decisions) while the decision goes on with
+  the pace it has, up to :data:`STALE_PACE_S` old; older than that, the decision waits for
+  the answer. A decision therefore seldom waits for a node server on a busy fleet, and never
+  uses a pace much older than a second there: the one learned in a quiet moment is renewed
+  before it can move many conversations.
 
 From this, :meth:`Holdings.recall` answers a lookup without sending it when the router's
 knowledge reaches as far as an answer would: walking the prompt's chunks, each is remembered
@@ -49,8 +53,21 @@ MAX_NAME = 64
 PACE_S = 1.0
 """How long a node server's pace for a tier below the arena (seconds a chunk, as its last
 answer with chunks there gave them) stands for the arrivals of recalled chunks there."""
+STALE_PACE_S = 10.0
+"""How old a pace may still answer a decision while that node server is asked again in the
+background (:attr:`Recalled.due`); an older one is asked and waited for."""
 DEFAULT_MAX_KEYS = 1 << 17
 """Chunks remembered per node server by default: ~3,700 conversations of 35 chunks."""
+
+
+@dataclass(frozen=True)
+class Recalled:
+    """What memory answers of a decision's lookups."""
+
+    answers: dict[tuple[str, bytes], Answer]
+    due: frozenset[tuple[str, bytes]] = frozenset()
+    """Those of :attr:`answers` given at a pace older than :data:`PACE_S`: to be asked
+    again in the background, not waited for."""
 
 
 @dataclass
@@ -148,7 +165,29 @@ class Holdings:
     # ------------------------------------------------------------------ recalling
 
     def recall(self, url: str, keys: Sequence[ChunkKey]) -> Answer | None:
-        """The answer ``url`` would give for ``keys``, if the router already knows it."""
+        """The answer ``url`` would give for ``keys``, if the router already knows it (with
+        every lower tier's pace answered within :data:`PACE_S`)."""
+        known = self._recall(url, keys)
+        return None if known is None or known[1] > PACE_S else known[0]
+
+    def recall_all(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]]) -> Recalled:
+        """Those of ``asks`` (node server URL, namespace) -> keys the router can answer,
+        at a pace up to :data:`STALE_PACE_S` old; those whose pace is older than
+        :data:`PACE_S` are :attr:`Recalled.due`."""
+        out: dict[tuple[str, bytes], Answer] = {}
+        due: set[tuple[str, bytes]] = set()
+        for ask, keys in asks.items():
+            known = self._recall(ask[0], keys)
+            if known is None or known[1] > STALE_PACE_S:
+                continue
+            out[ask] = known[0]
+            if known[1] > PACE_S:
+                due.add(ask)
+        return Recalled(out, frozenset(due))
+
+    def _recall(self, url: str, keys: Sequence[ChunkKey]) -> tuple[Answer, float] | None:
+        """The answer ``url`` would give for ``keys`` and the age of the oldest lower tier
+        pace in it (0 when it has none), or None when memory cannot say."""
         node = self._nodes.get(url)
         if not self.enabled or node is None:
             return None
@@ -157,6 +196,7 @@ class Holdings:
         tiers: list[str] = []
         arrivals: list[float] = []
         runs: dict[str, int] = {}
+        age = 0.0
         for key in keys:
             held = node.chunks.get(key)
             if held is None or held[1] < oldest:
@@ -172,21 +212,12 @@ class Holdings:
                 arrivals.append(0.0)
                 continue
             pace = node.per_chunk_s.get(tier)
-            if pace is None or pace[1] < now - PACE_S:
-                return None  # how fast it reads there now was not answered lately: ask
+            if pace is None:
+                return None  # how fast it reads there was never answered: ask
+            age = max(age, now - pace[1])
             runs[tier] = runs.get(tier, 0) + 1
             arrivals.append(runs[tier] * pace[0])
-        return tuple(tiers), tuple(arrivals)
-
-    def recall_all(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]]
-                   ) -> dict[tuple[str, bytes], Answer]:
-        """Those of ``asks`` (node server URL, namespace) -> keys the router can answer."""
-        out: dict[tuple[str, bytes], Answer] = {}
-        for ask, keys in asks.items():
-            answer = self.recall(ask[0], keys)
-            if answer is not None:
-                out[ask] = answer
-        return out
+        return (tuple(tiers), tuple(arrivals)), age
 
     def size(self, url: str) -> int:
         node = self._nodes.get(url)

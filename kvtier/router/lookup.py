@@ -12,7 +12,9 @@ under the server's URL with its credentials redacted.
 
 With :class:`~kvtier.router.holdings.Holdings`, every answer (waited for or not) is
 remembered, and :meth:`NodeLookups.many` sends only the lookups that memory cannot answer
-(counted in ``recalled``).
+(counted in ``recalled``). One memory answered at a lower tier's pace older than a second is
+sent anyway, in the background, to renew it (counted in ``refreshed``; at most one at a time
+per node server): the decision does not wait for it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class NodeLookups:
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float,
                  failures: Counter | None = None, headers: Mapping[str, str] | None = None,
                  took: Histogram | None = None, spared: Counter | None = None,
-                 holdings: Holdings | None = None, recalled: Counter | None = None) -> None:
+                 holdings: Holdings | None = None, recalled: Counter | None = None,
+                 refreshed: Counter | None = None) -> None:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.failures = failures
@@ -58,23 +61,30 @@ class NodeLookups:
         self.spared = spared
         self.holdings = holdings
         self.recalled = recalled
+        self.refreshed = refreshed
         self._breakers: dict[str, Breaker] = {}
         self._background: set[asyncio.Future[Answer]] = set()
+        self._refreshing: set[str] = set()
+        """Node servers with a background lookup out (renewing a remembered pace)."""
 
     async def many(self, asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]],
                    enough: Callable[[Mapping[tuple[str, bytes], Answer]], bool] | None = None
                    ) -> dict[tuple[str, bytes], Answer]:
         """One lookup per (node server URL, namespace) pair, all at once, but for those the
-        holdings answer. Returns when all have answered, or as soon as ``enough(answers so
-        far)`` says the others cannot change anything (asked first with the recalled ones
-        only: then none is sent). Those not waited for finish in the background (bounded
-        by ``timeout_s``; their connections go back to the pool). Both are counted in
-        ``spared``; the time waited goes to ``took``."""
+        holdings answer (one they answer at an old pace is also asked in the background, not
+        waited for: :meth:`_refresh`). Returns when all have answered, or as soon as
+        ``enough(answers so far)`` says the others cannot change anything (asked first with
+        the recalled ones only: then none is sent). Those not waited for finish in the
+        background (bounded by ``timeout_s``; their connections go back to the pool). Both
+        are counted in ``spared``; the time waited goes to ``took``."""
         answers: dict[tuple[str, bytes], Answer] = {}
         if self.holdings is not None:
-            answers = self.holdings.recall_all(asks)
+            recalled = self.holdings.recall_all(asks)
+            answers = dict(recalled.answers)
             if answers and self.recalled is not None:
                 self.recalled.inc(len(answers))
+            for ask in recalled.due:
+                self._refresh(ask[0], asks[ask])
         rest = {ask: keys for ask, keys in asks.items() if ask not in answers}
         if not rest:
             return answers
@@ -103,6 +113,19 @@ class NodeLookups:
         if self.took is not None and tasks:
             self.took.observe(time.perf_counter() - start)
         return answers
+
+    def _refresh(self, url: str, keys: Sequence[ChunkKey]) -> None:
+        """Asks ``url`` about ``keys`` in the background (its answer goes to the memory),
+        unless a lookup sent so is out there already."""
+        if url in self._refreshing:
+            return
+        self._refreshing.add(url)
+        task = asyncio.ensure_future(self.one(url, keys))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda _: self._refreshing.discard(url))
+        if self.refreshed is not None:
+            self.refreshed.inc()
 
     async def one(self, url: str, keys: Sequence[ChunkKey]) -> Answer:
         """What ``url`` holds of ``keys``; NOTHING when it fails (whatever the failure: a

@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
 from stubs import (
     completion,
     held_by,
@@ -27,7 +28,15 @@ from stubs import (
 from kvtier.keys import ChunkKey
 from kvtier.router import holdings
 from kvtier.router.config import CostModel
-from kvtier.router.holdings import ARENA, MAX_NAME, MAX_SHARED, PACE_S, Holdings, shared_tiers
+from kvtier.router.holdings import (
+    ARENA,
+    MAX_NAME,
+    MAX_SHARED,
+    PACE_S,
+    STALE_PACE_S,
+    Holdings,
+    shared_tiers,
+)
 from kvtier.router.lookup import NodeLookups
 
 A, B = "http://node-a", "http://node-b"
@@ -97,6 +106,35 @@ def test_a_lower_tier_whose_pace_was_not_answered_lately_is_asked() -> None:
     assert h.recall(B, system) is None
     h.learn(B, keys(7, 1), (("fs",), (0.002,)), ["fs"])
     assert h.recall(B, system) == (("fs", "fs"), (0.002, 0.004)), "its chunks were kept"
+
+
+def test_an_old_pace_answers_a_decision_and_is_due_until_too_old() -> None:
+    """A pace older than ``PACE_S`` still answers a decision (``recall_all``) and marks its
+    node server due to be asked again in the background; past ``STALE_PACE_S`` it answers
+    nothing. An arena-only answer has no pace and is never due; ``recall`` (fresh only) is
+    None as soon as the pace is older than ``PACE_S``."""
+    clock = Clock()
+    h = Holdings(60.0, clock=clock)
+    prompt = keys(0, 3)
+    h.learn(A, prompt, (("arena",) * 3, (0.0,) * 3), ["fs"])
+    h.learn(B, prompt, (("fs",) * 3, (0.004, 0.008, 0.012)), ["fs"])
+    asks = {(A, b"ns"): prompt, (B, b"ns"): prompt}
+    fresh = h.recall_all(asks)
+    assert fresh.answers[(B, b"ns")] == (("fs",) * 3, (0.004, 0.008, 0.012))
+    assert fresh.due == frozenset()
+    clock.now += PACE_S + 0.01
+    old = h.recall_all(asks)
+    assert old.answers == fresh.answers, "the last pace, not a guess"
+    assert old.due == {(B, b"ns")}, "A holds it in its arena: nothing to renew"
+    assert h.recall(B, prompt) is None
+    clock.now += STALE_PACE_S
+    late = h.recall_all(asks)
+    assert set(late.answers) == {(A, b"ns")} and late.due == frozenset()
+    h.learn(B, keys(9, 1), (("fs",), (0.003,)), ["fs"])
+    renewed = h.recall_all(asks)
+    tiers, arrivals = renewed.answers[(B, b"ns")]
+    assert tiers == ("fs",) * 3 and arrivals == pytest.approx((0.003, 0.006, 0.009))
+    assert renewed.due == frozenset()
 
 
 def test_new_text_is_recalled_as_held_by_nobody() -> None:
@@ -245,6 +283,58 @@ def test_lookups_send_only_what_memory_cannot_answer_over_real_http() -> None:
             assert (len(asked["a"]), len(asked["b"])) == (1, 2), "only B asked again"
         for runner in runners:
             await runner.cleanup()
+    asyncio.run(main())
+
+
+def test_an_old_pace_is_renewed_in_the_background_without_holding_a_decision() -> None:
+    """A node server whose remembered pace is over ``PACE_S`` old is asked again, but the
+    decision returns on the memory at once: the server here holds its answer until released,
+    and three decisions meanwhile send one lookup between them. Its answer renews the pace
+    (a fresh recall has the new arrivals); past ``STALE_PACE_S`` a decision waits for it."""
+    clock = Clock()
+    asked: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def lookup(request: web.Request) -> web.Response:
+        ks = (await request.json())["keys"]
+        asked.append(ks)
+        await release.wait()
+        return web.Response(text=json.dumps({
+            "tiers": ["fs"] * len(ks), "arrival_s": [0.01 * (i + 1) for i in range(len(ks))],
+            "shared": ["fs"]}), content_type="application/json")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/lookup", lookup)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        prompt, ns = keys(0, 3), bytes(32)
+        memory = Holdings(60.0, clock=clock)
+        memory.learn(url, prompt, (("fs",) * 3, (0.002, 0.004, 0.006)), ["fs"])
+        refreshed = Counter("refreshed", "", registry=CollectorRegistry())
+        async with aiohttp.ClientSession() as session:
+            lookups = NodeLookups(session, 5.0, holdings=memory, refreshed=refreshed)
+            clock.now += PACE_S + 0.5
+            for _ in range(3):
+                got = await asyncio.wait_for(lookups.many({(url, ns): prompt}), 1.0)
+                assert got[(url, ns)] == (("fs",) * 3, (0.002, 0.004, 0.006))
+            deadline = time.monotonic() + 5
+            while not asked:
+                assert time.monotonic() < deadline, "the old pace was never asked again"
+                await asyncio.sleep(0.01)
+            assert len(asked) == 1 and refreshed._value.get() == 1.0
+            release.set()
+            while memory.recall(url, prompt) is None:
+                assert time.monotonic() < deadline, "the answer never renewed the pace"
+                await asyncio.sleep(0.01)
+            assert memory.recall(url, prompt) == (("fs",) * 3, pytest.approx((0.01, 0.02, 0.03)))
+            clock.now += STALE_PACE_S + 1
+            got = await asyncio.wait_for(lookups.many({(url, ns): prompt}), 5.0)
+            assert len(asked) == 2, "too old: asked and waited for"
+            assert got[(url, ns)] == (("fs",) * 3, pytest.approx((0.01, 0.02, 0.03)))
+        await runner.cleanup()
     asyncio.run(main())
 
 
