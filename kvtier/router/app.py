@@ -99,6 +99,7 @@ class Router:
         self._health: HealthMonitor | None = None
         self._watch = LoopWatch(self.metrics.loop_lag)
         self.strategy: Strategy | None = None
+        self._lookups: NodeLookups | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -108,7 +109,7 @@ class Router:
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         if self.scrub.active:
             log.addFilter(self._scrub_filter)
-        lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
+        self._lookups = lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
                               self.metrics.lookup_failures, self._node_headers,
                               self.metrics.lookup_time, self.metrics.lookups_spared,
                               self.holdings, self.metrics.lookups_recalled,
@@ -166,6 +167,8 @@ class Router:
             await self._health.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._lookups is not None:
+            await self._lookups.close()
         if self._session is not None:
             await self._session.close()
         log.removeFilter(self._scrub_filter)

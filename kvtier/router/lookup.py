@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 from prometheus_client import Counter, Histogram
@@ -78,20 +78,19 @@ class NodeLookups:
         background (bounded by ``timeout_s``; their connections go back to the pool). Both
         are counted in ``spared``; the time waited goes to ``took``."""
         answers: dict[tuple[str, bytes], Answer] = {}
+        due: frozenset[tuple[str, bytes]] = frozenset()
         if self.holdings is not None:
             recalled = self.holdings.recall_all(asks)
-            answers = dict(recalled.answers)
+            answers, due = dict(recalled.answers), recalled.due
             if answers and self.recalled is not None:
                 self.recalled.inc(len(answers))
-            for ask in recalled.due:
-                self._refresh(ask[0], asks[ask])
         rest = {ask: keys for ask, keys in asks.items() if ask not in answers}
-        if not rest:
-            return answers
-        if enough is not None and enough(answers):
-            if self.spared is not None:
+        if not rest or (enough is not None and enough(answers)):
+            if rest and self.spared is not None:
                 self.spared.inc(len(rest))
+            self._renew(due, asks, set())
             return answers
+        self._renew(due, asks, {url for url, _ in rest})
         start = time.perf_counter()
         tasks = {asyncio.ensure_future(self.one(ask[0], keys)): ask
                  for ask, keys in rest.items()}
@@ -113,6 +112,22 @@ class NodeLookups:
         if self.took is not None and tasks:
             self.took.observe(time.perf_counter() - start)
         return answers
+
+    async def close(self) -> None:
+        """Cancels the lookups still out in the background (before the session closes: they
+        would fail against it, and count as the node server's failures)."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _renew(self, due: Iterable[tuple[str, bytes]],
+               asks: Mapping[tuple[str, bytes], Sequence[ChunkKey]], asking: set[str]) -> None:
+        """Refreshes the node servers of ``due`` but those being asked now (``asking``:
+        their answers renew the pace anyway)."""
+        for ask in due:
+            if ask[0] not in asking:
+                self._refresh(ask[0], asks[ask])
 
     def _refresh(self, url: str, keys: Sequence[ChunkKey]) -> None:
         """Asks ``url`` about ``keys`` in the background (its answer goes to the memory),

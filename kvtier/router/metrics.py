@@ -49,9 +49,9 @@ class RouterMetrics:
         self.lookups_recalled = Counter("kvtier_router_lookups_recalled", "Node-server "
                                         "lookups answered from the router's memory of "
                                         "earlier answers and of the prompts it sent since "
-                                        "(--lookup-memory-s): not sent", registry=r)
+                                        "(--lookup-memory-s): not waited for", registry=r)
         self.lookups_refreshed = Counter("kvtier_router_lookups_refreshed", "Node-server "
-                                         "lookups sent in the background to renew a "
+                                         "lookups started in the background to renew a "
                                          "remembered tier's pace over a second old (the "
                                          "decision used the memory, not waiting)", registry=r)
         self.retries = Counter("kvtier_router_retries", "Attempts that failed before any "

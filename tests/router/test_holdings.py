@@ -313,7 +313,11 @@ def test_an_old_pace_is_renewed_in_the_background_without_holding_a_decision() -
         prompt, ns = keys(0, 3), bytes(32)
         memory = Holdings(60.0, clock=clock)
         memory.learn(url, prompt, (("fs",) * 3, (0.002, 0.004, 0.006)), ["fs"])
-        refreshed = Counter("refreshed", "", registry=CollectorRegistry())
+        registry = CollectorRegistry()
+        refreshed = Counter("refreshed", "", registry=registry)
+
+        def count() -> float | None:
+            return registry.get_sample_value("refreshed_total")
         async with aiohttp.ClientSession() as session:
             lookups = NodeLookups(session, 5.0, holdings=memory, refreshed=refreshed)
             clock.now += PACE_S + 0.5
@@ -324,16 +328,60 @@ def test_an_old_pace_is_renewed_in_the_background_without_holding_a_decision() -
             while not asked:
                 assert time.monotonic() < deadline, "the old pace was never asked again"
                 await asyncio.sleep(0.01)
-            assert len(asked) == 1 and refreshed._value.get() == 1.0
+            assert len(asked) == 1 and count() == 1.0
             release.set()
             while memory.recall(url, prompt) is None:
                 assert time.monotonic() < deadline, "the answer never renewed the pace"
                 await asyncio.sleep(0.01)
             assert memory.recall(url, prompt) == (("fs",) * 3, pytest.approx((0.01, 0.02, 0.03)))
+            clock.now += PACE_S + 0.5
+            while len(asked) < 2:  # once the first refresh's task is done, asked again
+                assert time.monotonic() < deadline, "a renewed pace grown old is not renewed"
+                await asyncio.wait_for(lookups.many({(url, ns): prompt}), 1.0)
+                await asyncio.sleep(0.01)
+            while memory.recall(url, prompt) is None:
+                assert time.monotonic() < deadline, "the second answer never came"
+                await asyncio.sleep(0.01)
+            assert count() == 2.0
             clock.now += STALE_PACE_S + 1
             got = await asyncio.wait_for(lookups.many({(url, ns): prompt}), 5.0)
-            assert len(asked) == 2, "too old: asked and waited for"
+            assert len(asked) == 3, "too old: asked and waited for"
             assert got[(url, ns)] == (("fs",) * 3, pytest.approx((0.01, 0.02, 0.03)))
+        await runner.cleanup()
+    asyncio.run(main())
+
+
+def test_closing_cancels_a_refresh_still_out_without_counting_a_failure() -> None:
+    """A background refresh whose node server has not answered when the router closes is
+    cancelled by ``NodeLookups.close`` (before the session closes), not failed against a
+    closed session: the node server's failures stay at zero."""
+    clock = Clock()
+    arrived = asyncio.Event()
+
+    async def lookup(request: web.Request) -> web.Response:
+        arrived.set()
+        await asyncio.sleep(30)
+        return web.Response(status=500)
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/lookup", lookup)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        prompt = keys(0, 2)
+        memory = Holdings(60.0, clock=clock)
+        memory.learn(url, prompt, (("fs",) * 2, (0.002, 0.004)), ["fs"])
+        registry = CollectorRegistry()
+        failures = Counter("failures", "", ["server"], registry=registry)
+        async with aiohttp.ClientSession() as session:
+            lookups = NodeLookups(session, 60.0, failures, holdings=memory)
+            clock.now += PACE_S + 0.5
+            await asyncio.wait_for(lookups.many({(url, bytes(32)): prompt}), 1.0)
+            await asyncio.wait_for(arrived.wait(), 5.0)
+            await asyncio.wait_for(lookups.close(), 5.0)
+        assert registry.get_sample_value("failures_total", {"server": url}) is None
         await runner.cleanup()
     asyncio.run(main())
 
@@ -347,6 +395,7 @@ def test_a_conversation_on_a_shared_tier_stops_asking_node_servers(
     one the engine reports. With the memory off, every turn asks. (A lower tier's pace is
     held longer than in production: turns here wait for the journal between them.)"""
     monkeypatch.setattr(holdings, "PACE_S", 60.0)
+    monkeypatch.setattr(holdings, "STALE_PACE_S", 60.0)
     prefix = [9000 + t for t in range(40 * 16)]
 
     async def conversation(memory_s: float) -> tuple[list[float], dict[bool, float]]:
