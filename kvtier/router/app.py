@@ -109,11 +109,12 @@ class Router:
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         if self.scrub.active:
             log.addFilter(self._scrub_filter)
-        self._lookups = lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
+        lookups = NodeLookups(self._session, self.config.cost.lookup_timeout_s,
                               self.metrics.lookup_failures, self._node_headers,
                               self.metrics.lookup_time, self.metrics.lookups_spared,
                               self.holdings, self.metrics.lookups_recalled,
                               self.metrics.lookups_refreshed)
+        self._lookups = lookups
         ctx = RoutingContext(self.config, self.pool, lookups, self.history)
         self.strategy = self.strategy_cls(ctx)
         self._health = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
