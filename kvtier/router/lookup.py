@@ -105,8 +105,7 @@ class NodeLookups:
                     break
         finally:
             for task in pending:  # not cancelled: that would close their connections
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._keep(task)
         if pending and self.spared is not None:
             self.spared.inc(len(pending))
         if self.took is not None and tasks:
@@ -135,12 +134,17 @@ class NodeLookups:
         if url in self._refreshing:
             return
         self._refreshing.add(url)
-        task = asyncio.ensure_future(self.one(url, keys))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task = self._keep(asyncio.ensure_future(self.one(url, keys)))
         task.add_done_callback(lambda _: self._refreshing.discard(url))
         if self.refreshed is not None:
             self.refreshed.inc()
+
+    def _keep(self, task: asyncio.Future[Answer]) -> asyncio.Future[Answer]:
+        """Holds a lookup left to finish in the background until it does (:meth:`close`
+        cancels those still out)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def one(self, url: str, keys: Sequence[ChunkKey]) -> Answer:
         """What ``url`` holds of ``keys``; NOTHING when it fails (whatever the failure: a
