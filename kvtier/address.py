@@ -94,7 +94,7 @@ def advertised_host(config: Exposed) -> str:
     return config.metrics_host
 
 
-def url(host: str, port: int) -> str:
+def url(host: str, port: int | str) -> str:
     """``http://HOST:PORT``, an IPv6 literal in brackets."""
     bare = host.strip("[]")
     return f"http://[{bare}]:{port}" if ":" in bare else f"http://{bare}:{port}"

@@ -52,7 +52,8 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def _bind_error(port: int, host: str) -> OSError | None:
-    with socket.socket() as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))

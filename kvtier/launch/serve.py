@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from kvtier.address import check_exposure
+from kvtier.address import check_exposure, is_wildcard, url
 from kvtier.config import AuthConfig, ServerConfig, parse_size, runtime_dir
 from kvtier.demo.model import DEMO_NAME
 from kvtier.errors import ConfigError
@@ -190,7 +190,9 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
 def _base_url(vllm_args: Sequence[str]) -> str:
     port = flag_value(vllm_args, "--port") or "8000"
     host = flag_value(vllm_args, "--host") or "127.0.0.1"
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+    if is_wildcard(host):  # listening everywhere: this process asks it on loopback
+        host = "127.0.0.1"
+    return url(host, port)
 
 
 def _log_path(value: str | None, vllm_args: Sequence[str]) -> Path | None:

@@ -156,6 +156,8 @@ class _BoundedServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
                  max_connections: int) -> None:
+        if ":" in address[0]:  # an IPv6 address (``::`` also takes IPv4 where the host allows)
+            self.address_family = socket.AF_INET6
         super().__init__(address, handler)
         self.conns = Connections(max_connections)
 

@@ -125,3 +125,19 @@ def test_the_one_machine_stack_keeps_its_node_servers_on_loopback(tmp_path: Path
                  ("--allow-remote-http-without-token",)):
         with pytest.raises(ConfigError, match="is for one instance"):
             StackOptions.from_args(_serve_args(tmp_path, "--instances", "2", *flag), 1 << 30)
+
+
+def test_an_ipv6_bind_is_served_and_advertised_in_brackets(make_server: MakeServer) -> None:
+    import socket
+
+    probe = socket.socket(socket.AF_INET6)
+    try:
+        probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    finally:
+        probe.close()
+    server = make_server(metrics_port=0, metrics_host="::1")
+    assert server.http_url == f"http://[::1]:{server.metrics_port}"
+    with urllib.request.urlopen(f"{server.http_url}/healthz", timeout=5) as answer:
+        assert json.loads(answer.read())["url"] == server.http_url
