@@ -42,8 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="how often the name is resolved / the file read (default: "
                        "%(default)s)")
     found.add_argument("--discovery-timeout-s", type=float, default=2.0,
-                       help="a resolution not answered by then fails; the last good set is "
-                       "kept (default: %(default)s)")
+                       help="a resolution (or a file read) not done by then fails; the last "
+                       "good set is kept (default: %(default)s)")
     found.add_argument("--max-backends", type=int, default=64,
                        help="at most this many discovered backends; the rest are left out "
                        "(default: %(default)s)")

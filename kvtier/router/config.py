@@ -56,7 +56,7 @@ class DiscoveryConfig:
     """``--kvtier-server-port``: each backend's node server, at the backend's address."""
     interval_s: float = 5.0
     timeout_s: float = 2.0
-    """A DNS resolution not answered by then fails (the last good set is kept)."""
+    """A DNS resolution or a file read not done by then fails (the last good set is kept)."""
     max_backends: int = 64
 
     def __post_init__(self) -> None:

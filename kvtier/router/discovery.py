@@ -31,7 +31,7 @@ def make_source(config: DiscoveryConfig, resolve: Resolver | None = None) -> Sou
                              config.timeout_s, resolve)
         return DnsSource(config.dns, config.node_port, config.max_backends, config.timeout_s)
     assert config.file is not None  # DiscoveryConfig names exactly one source
-    return FileSource(config.file, config.node_port, config.max_backends)
+    return FileSource(config.file, config.node_port, config.max_backends, config.timeout_s)
 
 
 class Discovery:
@@ -57,6 +57,7 @@ class Discovery:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self.source.close()
 
     async def _loop(self) -> None:
         while True:

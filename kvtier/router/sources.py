@@ -7,8 +7,8 @@ good set. What either says is hostile input: every URL is checked, and at most
 
 DNS (a Kubernetes headless Service): ``http://NAME:PORT`` becomes ``http://ADDRESS:PORT`` for
 each address the system resolver (``getaddrinfo``: cluster DNS, ``/etc/hosts``) gives for
-NAME, resolved off the event loop and given up after ``timeout_s``. A name with no address
-fails like one that does not resolve.
+NAME, resolved off the event loop and given up after ``timeout_s`` (a file's read too:
+:class:`OneAtATime`). A name with no address fails like one that does not resolve.
 
 A file (bare metal, Slurm) holds one backend per line (``#`` starts a comment; an optional
 second column is its node server's URL), or a YAML/JSON list of URLs or of ``{url, node}``
@@ -24,7 +24,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -33,6 +33,7 @@ from kvtier.errors import ConfigError
 from kvtier.router.redact import redact_url
 
 MAX_FILE_BYTES = 1 << 20
+T = TypeVar("T")
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 """``(host, port) -> addresses``: :func:`system_resolve`, or a test's own."""
 
@@ -59,6 +60,39 @@ class Source(Protocol):
     """For log lines: ``DNS name NAME`` / ``file PATH``."""
 
     async def found(self) -> Found: ...
+
+    def close(self) -> None:
+        """Give up what is still out (the router stops)."""
+
+
+class OneAtATime(Generic[T]):
+    """A blocking call (a resolution, a read on a network filesystem) run off the event loop,
+    waited for at most ``timeout_s``; one that outlived its timeout is not started again
+    until it ends, so a hanging resolver or mount cannot pile up threads."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pending: asyncio.Future[T] | None = None
+
+    async def run(self, start: Callable[[], Awaitable[T]]) -> T:
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.ensure_future(start())
+            self._pending.add_done_callback(_retrieved)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
+        except TimeoutError:
+            raise SourceFailed(f"no answer within {self.timeout_s:g} s") from None
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """A call given up on may fail later: its exception is read here (the poll that
+    waited for it has already said why it failed)."""
+    if not future.cancelled():
+        future.exception()
 
 
 # ---------------------------------------------------------------------- URLs
@@ -142,17 +176,14 @@ class DnsSource:
         self.timeout_s = timeout_s
         self.resolve = resolve
         self.what = f"DNS name {name.name}"
-        self._pending: asyncio.Task[Sequence[str]] | None = None
-        """A resolution that outlived its timeout: not started again until it ends (a
-        hanging resolver must not pile up threads)."""
+        self._calls: OneAtATime[Sequence[str]] = OneAtATime(timeout_s)
+
+    def close(self) -> None:
+        self._calls.close()
 
     async def found(self) -> Found:
-        if self._pending is None or self._pending.done():
-            self._pending = asyncio.ensure_future(self.resolve(self.name.name, self.name.port))
         try:
-            raw = await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
-        except TimeoutError:
-            raise SourceFailed(f"no answer within {self.timeout_s:g} s") from None
+            raw = await self._calls.run(lambda: self.resolve(self.name.name, self.name.port))
         except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
             raise SourceFailed(f"{type(exc).__name__}: {exc}") from None
         addresses = _addresses(raw)
@@ -185,14 +216,19 @@ def _addresses(raw: Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------------- a file
 
 class FileSource:
-    def __init__(self, path: Path, node_port: int | None, max_backends: int) -> None:
+    def __init__(self, path: Path, node_port: int | None, max_backends: int,
+                 timeout_s: float = 2.0) -> None:
         self.path = path
         self.node_port = node_port
         self.max_backends = max_backends
         self.what = f"file {path}"
+        self._calls: OneAtATime[str] = OneAtATime(timeout_s)
+
+    def close(self) -> None:
+        self._calls.close()
 
     async def found(self) -> Found:
-        text = await asyncio.to_thread(self._read)
+        text = await self._calls.run(lambda: asyncio.to_thread(self._read))
         try:
             specs = parse_backends(text, "", self.node_port)
         except ConfigError as exc:

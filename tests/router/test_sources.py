@@ -161,3 +161,35 @@ def test_the_system_resolver_reads_the_hosts_file() -> None:
     source = DnsSource(DnsName.parse("http://localhost:8123"), 8124, 8, timeout_s=5.0)
     found = asyncio.run(source.found())
     assert BackendSpec("http://127.0.0.1:8123", "http://127.0.0.1:8124") in found.backends
+
+
+def test_a_file_read_that_hangs_is_given_up_and_not_piled_up(tmp_path: Path) -> None:
+    """A FIFO nobody writes: opening it blocks, as a read on a hung network mount does."""
+    import os
+    import threading
+
+    path = tmp_path / "backends"
+    os.mkfifo(path)
+    before = threading.active_count()
+
+    async def main() -> None:
+        source = FileSource(path, None, 8, timeout_s=0.1)
+        for _ in range(4):
+            with pytest.raises(SourceFailed, match=r"no answer within 0\.1 s"):
+                await source.found()
+        assert threading.active_count() <= before + 1, "one blocked read, not one a round"
+        fd = os.open(path, os.O_WRONLY)  # the read ends: the writer says one backend
+        os.write(fd, b"http://10.0.0.1:8000\n")
+        os.close(fd)
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:
+            try:
+                found = await source.found()
+                break
+            except SourceFailed:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+        assert [b.url for b in found.backends] == ["http://10.0.0.1:8000"]
+        source.close()
+
+    asyncio.run(main())
