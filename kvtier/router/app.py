@@ -38,7 +38,7 @@ from kvtier.router.accounting import Accounting
 from kvtier.router.backends import Backend, BackendPool, Membership
 from kvtier.router.config import RouterConfig
 from kvtier.router.cost import RECOMPUTED, estimate_header
-from kvtier.router.discovery import Discovery, make_source
+from kvtier.router.discovery import Discovery, MemberWatch, make_source
 from kvtier.router.health import HealthMonitor
 from kvtier.router.history import DeviceHistory
 from kvtier.router.holdings import Holdings
@@ -80,10 +80,11 @@ class Router:
         self.pool = BackendPool(config)
         self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens, self.pool)
         self.pool.listeners.append(self._on_health)
-        self.pool.watchers.append(self)
         self.renderers = Renderers()
         self.history = DeviceHistory(config.cost.device_ttl_s)
         self.holdings = Holdings(config.cost.lookup_memory_s)
+        self.members = MemberWatch(self.pool, self.metrics, self.history, self.holdings)
+        self.pool.watchers.append(self.members)
         self.strategy_cls = STRATEGIES[config.strategy]  # unknown name: fail before binding
         self.tenants = config.tenants or Tenants({config.api_key: OPEN} if config.api_key
                                                  else {})
@@ -123,7 +124,7 @@ class Router:
                               self.metrics.lookup_time, self.metrics.lookups_spared,
                               self.holdings, self.metrics.lookups_recalled,
                               self.metrics.lookups_refreshed)
-        self._lookups = lookups
+        self._lookups = self.members.lookups = lookups
         ctx = RoutingContext(self.config, self.pool, lookups, self.history)
         self.strategy = self.strategy_cls(ctx)
         self._health = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
@@ -385,30 +386,6 @@ class Router:
     def _session_or_fail(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Router.start() first"
         return self._session
-
-    # ------------------------------------------------------------------ membership
-
-    def joined(self, backend: Backend) -> None:
-        self.metrics.up.labels(backend.name).set(0)  # out until its first health check
-
-    def left(self, backend: Backend) -> None:
-        self.metrics.up.labels(backend.name).set(0)
-        self._keep_nodes()
-
-    def gone(self, backend: Backend) -> None:
-        self.history.forget(backend.index)
-        self.metrics.forget_backend(backend.name, redact_url(backend.node_url)
-                                    if backend.node_url else None)
-        self.metrics.draining.set(len(self.pool.leaving))
-        self._keep_nodes()
-
-    def _keep_nodes(self) -> None:
-        """What the router remembers of node servers: only those of backends it has."""
-        nodes = [b.node_url for b in [*self.pool, *self.pool.leaving.values()] if b.node_url]
-        self.holdings.keep(nodes)
-        if self._lookups is not None:
-            self._lookups.keep(nodes)
-        self.metrics.draining.set(len(self.pool.leaving))
 
     def _on_health(self, backend: Backend, healthy: bool) -> None:
         self.metrics.up.labels(backend.name).set(1 if healthy else 0)

@@ -17,7 +17,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from kvtier.router.backends import Backend, BackendPool, Change
 from kvtier.router.config import DiscoveryConfig
+from kvtier.router.history import DeviceHistory
+from kvtier.router.holdings import Holdings
+from kvtier.router.lookup import NodeLookups
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.redact import redact_url
 from kvtier.router.sources import DnsSource, FileSource, Resolver, Source, SourceFailed
 
 log = logging.getLogger("kvtier.router")
@@ -103,3 +107,39 @@ class Discovery:
             log.warning("discovery: %s failed (%s); keeping the %d backends it listed last",
                         self.source.what, why, len(self.pool))
         self.failing = why
+
+
+class MemberWatch:
+    """What the router keeps per backend, kept to the members (a :class:`PoolWatcher`): a
+    newcomer shows as out until checked; once one that left is gone, its series leave
+    /metrics and its device history, its node server's holdings and lookup breaker are
+    forgotten (churn must not grow them for ever)."""
+
+    def __init__(self, pool: BackendPool, metrics: RouterMetrics, history: DeviceHistory,
+                 holdings: Holdings) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.history = history
+        self.holdings = holdings
+        self.lookups: NodeLookups | None = None
+        """Set once the router has made them (they need its HTTP session)."""
+
+    def joined(self, backend: Backend) -> None:
+        self.metrics.up.labels(backend.name).set(0)  # out until its first health check
+
+    def left(self, backend: Backend) -> None:
+        self.metrics.up.labels(backend.name).set(0)
+        self._keep_nodes()
+
+    def gone(self, backend: Backend) -> None:
+        self.history.forget(backend.index)
+        self.metrics.forget_backend(backend.name, redact_url(backend.node_url)
+                                    if backend.node_url else None)
+        self._keep_nodes()
+
+    def _keep_nodes(self) -> None:
+        nodes = [b.node_url for b in [*self.pool, *self.pool.leaving.values()] if b.node_url]
+        self.holdings.keep(nodes)
+        if self.lookups is not None:
+            self.lookups.keep(nodes)
+        self.metrics.draining.set(len(self.pool.leaving))
