@@ -46,6 +46,8 @@ class PoolWatcher(Protocol):
     """Told of membership changes (the router: metrics, device history, node memory)."""
 
     def joined(self, backend: Backend) -> None: ...
+    def moved(self, backend: Backend) -> None:
+        """Its node server's URL changed."""
     def left(self, backend: Backend) -> None: ...
     def gone(self, backend: Backend) -> None: ...
 
@@ -143,6 +145,9 @@ class BackendPool:
         for backend in joined:
             for watcher in self.watchers:
                 watcher.joined(backend)
+        for backend in moved:
+            for watcher in self.watchers:
+                watcher.moved(backend)
         for backend in left:
             for watcher in self.watchers:
                 watcher.left(backend)

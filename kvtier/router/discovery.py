@@ -127,6 +127,9 @@ class MemberWatch:
     def joined(self, backend: Backend) -> None:
         self.metrics.up.labels(backend.name).set(0)  # out until its first health check
 
+    def moved(self, backend: Backend) -> None:
+        self._keep_nodes()  # what the old node server held is no longer this backend's
+
     def left(self, backend: Backend) -> None:
         self.metrics.up.labels(backend.name).set(0)
         self._keep_nodes()

@@ -269,6 +269,9 @@ def test_members_join_leave_drain_and_rejoin_with_indices_never_reused() -> None
         def joined(self, b: Any) -> None:
             seen.append(("joined", b.url))
 
+        def moved(self, b: Any) -> None:
+            seen.append(("moved", b.url))
+
         def left(self, b: Any) -> None:
             seen.append(("left", b.url))
 
@@ -296,6 +299,7 @@ def test_members_join_leave_drain_and_rejoin_with_indices_never_reused() -> None
     again = pool.update([BackendSpec("http://h0:1"), BackendSpec("http://h2:1", "http://m2")])
     assert [b.index for b in again.joined] == [3] and again.moved == (newcomer,)
     assert newcomer.node_url == "http://m2" and ("gone", "http://h1:1") in seen
+    assert ("moved", "http://h2:1") in seen
     # a leaving one listed again before it drained rejoins as itself
     pool.started(newcomer)
     pool.update([BackendSpec("http://h0:1")])
@@ -364,3 +368,39 @@ def test_discovery_flags_become_the_config(tmp_path: Path) -> None:
             config.discovery.max_backends) == (8100, 2.0, 10)
     found = route_args("--backends-file", str(tmp_path / "b")).discovery
     assert found is not None and found.file == tmp_path / "b" and found.node_port is None
+
+
+def test_what_the_router_kept_of_a_backend_is_forgotten_once_it_is_gone() -> None:
+    from kvtier.keys import ChunkKey
+    from kvtier.router.discovery import MemberWatch
+    from kvtier.router.history import DeviceHistory
+    from kvtier.router.holdings import Holdings
+    from kvtier.router.lookup import NodeLookups
+    from kvtier.router.metrics import RouterMetrics
+
+    pool = BackendPool(RouterConfig(backends=(), kvtier_servers=()))
+    metrics, history, holdings = RouterMetrics(), DeviceHistory(60.0), Holdings(30.0)
+    watch = MemberWatch(pool, metrics, history, holdings)
+    watch.lookups = NodeLookups(None, 0.1)  # type: ignore[arg-type]  # no lookup is sent
+    pool.watchers.append(watch)
+    pool.update([BackendSpec("http://a:1", "http://a:2"), BackendSpec("http://b:1", "http://b:2")])
+    a, b = pool.backends
+    keys = [ChunkKey(bytes([i]) * 32) for i in range(4)]
+    for backend in (a, b):
+        holdings.sent(backend.node_url or "", keys)
+        history.record(backend.index, keys, 100)
+        watch.lookups._breakers[backend.node_url or ""] = object()  # type: ignore[assignment]
+        metrics.in_flight.labels(backend.name).set(0)
+        metrics.requests.labels(backend.name, "completions", "200").inc()
+    pool.started(a)
+    pool.update([BackendSpec("http://b:1", "http://b:2")])
+    assert holdings.size("http://a:2") == 4, "kept while its requests finish"
+    pool.finished(a)
+    assert holdings.size("http://a:2") == 0 and holdings.size("http://b:2") == 4
+    assert history.held(a.index, keys) == 0 and history.held(b.index, keys) == 4
+    assert set(watch.lookups._breakers) == {"http://b:2"}
+    text = "\n".join(f"{s.name}{s.labels}" for m in metrics.registry.collect()
+                     for s in m.samples)
+    assert "http://a:1" not in text and "http://b:1" in text
+    pool.update([BackendSpec("http://b:1", "http://b:9")])  # its node server moved
+    assert holdings.size("http://b:2") == 0
