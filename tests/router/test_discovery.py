@@ -404,3 +404,47 @@ def test_what_the_router_kept_of_a_backend_is_forgotten_once_it_is_gone() -> Non
     assert "http://a:1" not in text and "http://b:1" in text
     pool.update([BackendSpec("http://b:1", "http://b:9")])  # its node server moved
     assert holdings.size("http://b:2") == 0
+
+
+def test_kvtier_route_as_a_process_follows_its_file(tmp_path: Path) -> None:
+    """The command line as a manifest gives it (uvloop when installed, the flags parsed)."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_drain import ROOT, free_port, wait_healthy
+
+    async def main() -> None:
+        path = tmp_path / "backends.yaml"
+        async with stubs(2) as (a, b):
+            path.write_text(f"- {a.url}\n")
+            port = free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier", "route", "--backends-file", str(path),
+                 "--kvtier-server-port", "9", "--discovery-interval-s", "0.3",
+                 "--port", str(port)],
+                env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                async with aiohttp.ClientSession() as s:
+                    await wait_healthy(s, url, proc)
+                    assert await served_by(s, url) == a.url
+                    path.write_text(f"- {a.url}\n- {{url: '{b.url}'}}\n")
+                    deadline = time.monotonic() + 3
+                    while not b.seen:
+                        assert time.monotonic() < deadline, "b never joined"
+                        await served_by(s, url)
+                        await asyncio.sleep(0.02)
+                    doc = await backends_doc(s, url)
+                    assert sorted(r["node"] for r in doc["backends"]) == [
+                        "http://127.0.0.1:9", "http://127.0.0.1:9"]
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=15) == 0
+                log = proc.stderr.read().decode() if proc.stderr else ""
+                assert "lists 2 backends (1 joined, 0 left)" in log
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+
+    asyncio.run(main())
