@@ -141,3 +141,24 @@ def test_an_ipv6_bind_is_served_and_advertised_in_brackets(make_server: MakeServ
     assert server.http_url == f"http://[::1]:{server.metrics_port}"
     with urllib.request.urlopen(f"{server.http_url}/healthz", timeout=5) as answer:
         assert json.loads(answer.read())["url"] == server.http_url
+
+
+def test_kvtier_server_refuses_an_open_host_bind_with_a_clear_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = tmp_path / "server.yaml"
+    config.write_text(yaml.safe_dump({
+        "socket_path": str(tmp_path / "s.sock"), "arena": {"size_bytes": 64 << 20},
+        "metrics_port": 0, "metrics_host": "0.0.0.0", "metrics_advertise_host": "10.0.0.5",
+        "auth": {"http_token_env": TOKEN_ENV}}))
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    run = subprocess.run([sys.executable, "-m", "kvtier", "server", "--config", str(config)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 2
+    assert "metrics_host '0.0.0.0' is not loopback" in run.stderr
+    assert f"${TOKEN_ENV}" in run.stderr and "allow_remote_http_without_token" in run.stderr
+    assert not (tmp_path / "s.sock").exists()
