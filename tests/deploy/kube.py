@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -183,3 +184,28 @@ def readme_block(tag: str) -> str:
     match = re.search(rf"<!-- {tag} -->\s*```[a-z]*\n(.*?)```", text, re.S)
     assert match, f"README.md: no block marked <!-- {tag} -->"
     return match.group(1)
+
+
+CRD_KINDS = {"ServiceMonitor"}
+"""Custom resources: no schema offline; checked by hand below."""
+
+
+def validate(objects: list[dict[str, Any]]) -> None:
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']}: "
+                                 f"{exc.message} at {list(exc.path)}") from exc
+
+
+_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+          "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
+
+
+def quantity(text: str) -> int:
+    """Bytes of a Kubernetes quantity such as ``17Gi``."""
+    number = text.rstrip("KMGTkimB")
+    return int(float(number) * _UNITS[text[len(number):]])

@@ -10,35 +10,22 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-
-from kvtier.config import parse_size
-from tests.deploy.kube import (
-    K8S_VERSION,
+from kube import (
     KUBE,
     OVERLAYS,
     containers,
     find,
     flag,
     pod_spec,
+    quantity,
     readme_claims,
     readme_secrets,
     render,
     unexpanded,
+    validate,
 )
 
-CRD_KINDS = {"ServiceMonitor"}
-"""Custom resources: no schema offline; checked by hand below."""
-
-
-def validate(objects: list[dict[str, Any]]) -> None:
-    for obj in objects:
-        if obj["kind"] in CRD_KINDS:
-            continue
-        try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']}: "
-                                 f"{exc.message} at {list(exc.path)}") from exc
+from kvtier.config import parse_size
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +144,3 @@ def test_disk_volume_holds_the_disk_tier(rendered: dict[str, list[dict[str, Any]
     assert disk * 1.01 < storage, "the disk tier keeps 1% of its filesystem free"
     _, volume = vllm.mount("/var/cache/kvtier")
     assert volume["name"] == template["metadata"]["name"]
-
-
-_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
-          "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
-
-
-def quantity(text: str) -> int:
-    """Bytes of a Kubernetes quantity such as ``17Gi``."""
-    number = text.rstrip("KMGTkimB")
-    return int(float(number) * _UNITS[text[len(number):]])

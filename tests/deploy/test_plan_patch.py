@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kube import KUBE, containers, find, flag, quantity, readme_secrets, render, validate
+from pod_files import make_files
 
 from kvtier.cli import build_parser, main
 from kvtier.config import parse_size
 from kvtier.launch.serve import build_plan
-from tests.deploy.kube import KUBE, containers, find, flag, readme_secrets, render
-from tests.deploy.local import make_files
-from tests.deploy.test_manifests import quantity, validate
 
 LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tests.deploy.kube import Container, readme_block
+from kube import Container, readme_block
 
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
