@@ -12,7 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kube import Container, readme_block
+import pytest
+from kube import Container, readme_block, readme_secrets
+
+from kvtier.cli import build_parser
+from kvtier.launch.plan import ServePlan
+from kvtier.launch.serve import build_plan
 
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -60,3 +65,20 @@ def localize(argv: list[str], c: Container, root: Path) -> list[str]:
                 break
         out.append(arg)
     return out
+
+
+def serve_plan(c: Container, objects: list[dict[str, Any]], root: Path,
+               monkeypatch: pytest.MonkeyPatch) -> ServePlan:
+    """What ``kvtier serve`` would run in the container ``c`` (nothing is started): its
+    environment set, its mounts' files under ``root``, its command line parsed by kvtier."""
+    for var, value in c.env(readme_secrets()).items():
+        monkeypatch.setenv(var, value)
+    make_files(c, objects, root)
+    argv = localize(c.command_line(readme_secrets()), c, root)
+    assert argv[:2] == ["kvtier", "serve"], f"{c.name}: {argv}"
+    try:
+        args = build_parser().parse_args(argv[1:])
+    except SystemExit as exc:
+        raise AssertionError(f"{c.name}: {' '.join(argv)}: refused by kvtier's parser") \
+            from exc
+    return build_plan(args)

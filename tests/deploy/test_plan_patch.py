@@ -3,19 +3,17 @@ pod's command line gives kvtier serve the sizes the plan chose."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kube import KUBE, containers, find, flag, quantity, readme_secrets, render, validate
-from pod_files import make_files
+from kube import KUBE, containers, find, flag, quantity, render, validate
+from pod_files import serve_plan
 
-from kvtier.cli import build_parser, main
+from kvtier.cli import main
 from kvtier.config import parse_size
-from kvtier.launch.serve import build_plan
 
 LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336,
@@ -46,17 +44,10 @@ def serve_sizes(objects: list[dict[str, Any]], root: Path, monkeypatch: pytest.M
                 ) -> tuple[int, int]:
     """The arena and disk tier kvtier serve would run with, from the patched pod."""
     (vllm,) = [c for c in containers(objects) if c.spec["name"] == "vllm"]
-    for var, value in vllm.env(readme_secrets()).items():
-        monkeypatch.setenv(var, value)
-    make_files(vllm, objects, root)
-    argv = vllm.command_line(readme_secrets())
-    argv = [str(root / a.lstrip("/")) if a.startswith(("/etc/kvtier", "/models")) else a
-            for a in argv]
-    args: argparse.Namespace = build_parser().parse_args(argv[1:])
-    plan = build_plan(args)
-    assert plan.server is not None
-    (disk,) = plan.server.tiers
-    return plan.server.arena.size_bytes, disk.capacity_bytes
+    server = serve_plan(vllm, objects, root, monkeypatch).server
+    assert server is not None
+    (disk,) = server.tiers
+    return server.arena.size_bytes, disk.capacity_bytes
 
 
 def test_pilot_patch_sizes_memory_and_gpus(tmp_path: Path,
