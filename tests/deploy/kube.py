@@ -8,6 +8,8 @@ from the downward API or a Secret by the stand-ins below (a Secret's real value 
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 import shutil
 import subprocess
@@ -43,8 +45,19 @@ def kubectl() -> str:
 
 
 def render(where: str | Path) -> list[dict[str, Any]]:
-    """The objects ``kubectl kustomize`` makes of a kustomization folder."""
-    path = where if isinstance(where, Path) else KUBE / where
+    """The objects ``kubectl kustomize`` makes of a kustomization folder (the folders of
+    deploy/kubernetes, named as a string, are rendered once per test session)."""
+    if isinstance(where, str):
+        return copy.deepcopy(_render_once(where))
+    return _render(where)
+
+
+@functools.cache
+def _render_once(where: str) -> list[dict[str, Any]]:
+    return _render(KUBE / where)
+
+
+def _render(path: Path) -> list[dict[str, Any]]:
     done = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, f"kubectl kustomize {path}: {done.stderr}"
