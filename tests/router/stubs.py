@@ -133,6 +133,8 @@ class StubBackend:
     running: int = 0
     streaming: int = 0
     url: str = ""
+    host: str = "127.0.0.1"
+    """The loopback address it listens on (127.0.0.x in a network namespace of a test's own)."""
     _runner: web.AppRunner | None = None
     _port: int = 0
     _open: set[Any] = field(default_factory=set)
@@ -146,10 +148,10 @@ class StubBackend:
         app.router.add_post("/v1/chat/completions", self._complete)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self._port, reuse_address=True)
+        site = web.TCPSite(self._runner, self.host, self._port, reuse_address=True)
         await site.start()
         self._port = int(self._runner.addresses[0][1])
-        self.url = f"http://127.0.0.1:{self._port}"
+        self.url = f"http://{self.host}:{self._port}"
         return self
 
     async def kill(self) -> None:
