@@ -1,7 +1,8 @@
 """Every probe path and port in the manifests is answered by a running server: a real node
 server from the ConfigMap's config (as kvtier serve builds it from the pod's command line,
 moved to temp paths and loopback), and a real router from the Deployment's command line in
-front of a stub backend (real aiohttp servers on 127.0.0.1; no cluster).
+front of a stub backend that it finds by --backends-dns (the name replaced by 127.0.0.1; real
+aiohttp servers on loopback; no cluster).
 
 vLLM's own ``/health`` (the vLLM container's startup and readiness probes, on port http) is
 vLLM's documented endpoint (200 while its engine lives, 503 once it died); not asked here. The
@@ -95,8 +96,9 @@ def local_config(server: ServerConfig, tmp_path: Path) -> ServerConfig:
 
 def test_router_answers_its_probes(base: list[dict[str, Any]], tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ready (/health 200) with a backend up, not ready (503) without one, yet alive
-    (/metrics 200): a router with no backend is taken out of the Service, not restarted."""
+    """Ready (/health 200) with a backend up (found through --backends-dns), not ready (503)
+    without one, yet alive (/metrics 200): a router with no backend is taken out of the
+    Service, not restarted."""
     (router,) = [c for c in containers(base) if c.spec["name"] == "router"]
     for var, value in router.env(readme_secrets()).items():
         monkeypatch.setenv(var, value)
@@ -124,22 +126,24 @@ async def _router_probes(router: Container, root: Path) -> None:
 
 
 def on_loopback(argv: list[str], backend: str) -> list[str]:
-    """The router's command line with the discovered backends replaced by one stub, on an
-    ephemeral loopback port."""
+    """The router's command line on an ephemeral loopback port, its DNS name for the
+    backends (the headless Service's) replaced by the stub's address, and no node servers."""
     out, skip = [], 0
     for arg in argv:
         if skip:
             skip -= 1
             continue
-        if arg in ("--backends-dns", "--backends", "--kvtier-server-port"):
+        if arg == "--kvtier-server-port":
             skip = 1
             continue
-        if arg in ("--host", "--port"):
-            out += [arg, "127.0.0.1" if arg == "--host" else "0"]
+        replace = {"--host": "127.0.0.1", "--port": "0", "--backends-dns": backend}
+        if arg in replace:
+            out += [arg, replace[arg]]
             skip = 1
             continue
         out.append(arg)
-    return [*out, "--backends", backend]
+    assert "--backends-dns" in out, "the router finds its backends through DNS"
+    return out
 
 
 def probe_of(c: Container, name: str) -> dict[str, Any]:
