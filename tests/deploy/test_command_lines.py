@@ -26,6 +26,7 @@ from pod_files import localize, make_files
 from kvtier.cli import build_parser
 from kvtier.config import TierConfig, parse, parse_size
 from kvtier.demo.__main__ import build_parser as demo_parser
+from kvtier.errors import ConfigError
 from kvtier.launch import serve
 from kvtier.router.config import RouterConfig
 from kvtier.tiers.files import FileOptions
@@ -57,21 +58,48 @@ def test_command_line_parses(rendered: dict[str, list[dict[str, Any]]], where: s
     found = [c for c in containers(objects) if c.spec["name"] == name]
     assert found, f"{where}: no container {name}"
     for c in found:
-        env = c.env(readme_secrets())
-        for var, value in env.items():
-            monkeypatch.setenv(var, value)
-        argv = c.command_line(readme_secrets())
-        root = tmp_path / c.owner["kind"]
-        make_files(c, objects, root)
-        local = localize(argv, c, root)
-        if argv[0] == "kvtier":
-            args = parse_kvtier(c, local[1:])
-            check = {"serve": check_serve, "route": check_route}[args.command]
-            check(c, args, objects, root, monkeypatch)
-        else:
-            assert argv[:3] == ["python", "-m", "kvtier.demo"], f"{c.name}: {argv}"
-            demo_parser().parse_args(local[3:])
-            check_demo(c, demo_parser().parse_args(argv[3:]), objects)
+        check_container(c, objects, tmp_path / c.owner["kind"], monkeypatch)
+
+
+def check_container(c: Container, objects: list[dict[str, Any]], root: Path,
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    env = c.env(readme_secrets())
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    argv = c.command_line(readme_secrets())
+    make_files(c, objects, root)
+    local = localize(argv, c, root)
+    if argv[0] == "kvtier":
+        args = parse_kvtier(c, local[1:])
+        check = {"serve": check_serve, "route": check_route}[args.command]
+        check(c, args, objects, root, monkeypatch)
+    else:
+        assert argv[:3] == ["python", "-m", "kvtier.demo"], f"{c.name}: {argv}"
+        demo_parser().parse_args(local[3:])
+        check_demo(c, demo_parser().parse_args(argv[3:]), objects)
+
+
+def test_drift_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What these checks exist for: a misspelt kvtier flag (kvtier serve would hand it to
+    vLLM), a key kvtier's config does not know, a flag the router does not have."""
+    def vllm_of(objects: list[dict[str, Any]]) -> Container:
+        return next(c for c in containers(objects) if c.spec["name"] == "vllm")
+
+    objects = render("base")
+    vllm = vllm_of(objects)
+    vllm.spec["args"][vllm.spec["args"].index("--log-file")] = "--logfile"
+    with pytest.raises(AssertionError, match=r"handed to vLLM: \['--logfile'\]"):
+        check_container(vllm, objects, tmp_path / "flag", monkeypatch)
+    objects = render("base")
+    (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    config["data"]["server.yaml"] += "arena_size: 1GiB\n"
+    with pytest.raises(ConfigError, match="arena_size: unknown key"):
+        check_container(vllm_of(objects), objects, tmp_path / "key", monkeypatch)
+    objects = render("base")
+    (router,) = [c for c in containers(objects) if c.spec["name"] == "router"]
+    router.spec["args"].append("--backend-dns")
+    with pytest.raises(AssertionError, match="refused by its parser"):
+        check_container(router, objects, tmp_path / "route", monkeypatch)
 
 
 def test_every_container_is_checked(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -145,7 +173,7 @@ def check_tier_options(tier: TierConfig, c: Container) -> None:
 
 def check_vllm_argv(c: Container, cmd: list[str]) -> None:
     start = cmd.index("vllm.entrypoints.openai.api_server") + 1
-    flags = {a.split("=")[0] for a in cmd[start:] if a.startswith("-")}
+    flags = {a.split("=")[0] for a in cmd[start:] if a.startswith("-") and a != "-"}
     assert flags <= VLLM_FLAGS, f"{c.name}: handed to vLLM: {sorted(flags - VLLM_FLAGS)}"
     assert flag(cmd, "--host") == "0.0.0.0"
     assert int(flag(cmd, "--port") or 0) == c.port("http")
