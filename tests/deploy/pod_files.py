@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube import Container, readme_block, readme_secrets
 
 from kvtier.cli import build_parser
 from kvtier.launch.plan import ServePlan
 from kvtier.launch.serve import build_plan
+
+from .kube import Container, readme_block, readme_secrets
 
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -10,18 +10,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from kube import (
-    OVERLAYS,
-    POD_IP,
-    SECRET_VALUE,
-    Container,
-    containers,
-    find,
-    flag,
-    readme_secrets,
-    render,
-)
-from pod_files import localize, make_files
 
 from kvtier.cli import build_parser
 from kvtier.config import TierConfig, parse, parse_size
@@ -33,6 +21,19 @@ from kvtier.tiers.files import FileOptions
 from kvtier.tiers.redis_options import parse_options as redis_options
 from kvtier.tiers.s3_options import parse_s3_options
 from kvtier.tiers.shared import split_options
+
+from .kube import (
+    OVERLAYS,
+    POD_IP,
+    SECRET_VALUE,
+    Container,
+    containers,
+    find,
+    flag,
+    readme_secrets,
+    render,
+)
+from .pod_files import localize, make_files
 
 VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--gpu-memory-utilization",
               "--max-model-len", "--served-model-name", "--kv-transfer-config", "--model",

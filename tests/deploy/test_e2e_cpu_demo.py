@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube import Container, containers, readme_secrets, render
-from pod_files import localize, make_files
+
+from .kube import Container, containers, readme_secrets, render
+from .pod_files import localize, make_files
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")

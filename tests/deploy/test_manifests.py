@@ -10,7 +10,10 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from kube import (
+
+from kvtier.config import parse_size
+
+from .kube import (
     KUBE,
     OVERLAYS,
     containers,
@@ -24,8 +27,6 @@ from kube import (
     unexpanded,
     validate,
 )
-
-from kvtier.config import parse_size
 
 
 @pytest.fixture(scope="module")

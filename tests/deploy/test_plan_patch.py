@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube import KUBE, containers, find, flag, quantity, render, validate
-from pod_files import serve_plan
 
 from kvtier.cli import main
 from kvtier.config import parse_size
+
+from .kube import KUBE, containers, find, flag, quantity, render, validate
+from .pod_files import serve_plan
 
 LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336,

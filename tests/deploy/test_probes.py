@@ -22,14 +22,15 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from kube import Container, containers, flag, readme_secrets, render
-from pod_files import localize, make_files, serve_plan
-from stubs import running_router, stubs
+from router.stubs import running_router, stubs
 
 from kvtier.cli import build_parser
 from kvtier.config import ServerConfig
 from kvtier.router.config import RouterConfig
 from kvtier.server import EmbeddedServer
+
+from .kube import Container, containers, flag, readme_secrets, render
+from .pod_files import localize, make_files, serve_plan
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
