@@ -192,10 +192,28 @@ def check_route(c: Container, args: argparse.Namespace, objects: list[dict[str, 
     url = urlsplit(args.backends_dns)
     assert (url.hostname, url.port) == (service["metadata"]["name"], ports["http"])
     assert args.kvtier_server_port == ports["kvtier"]
-    (vllm,) = [v for v in containers(objects) if v.spec["name"] == "vllm"]
+    (vllm,) = [v for v in containers(objects) if v.spec["name"] == "vllm" and not v.init]
+    check_tokenizer(c, vllm, objects)
     stop = vllm.spec["lifecycle"]["preStop"]["exec"]["command"]
     assert stop[0] == "sleep" and float(stop[1]) > args.discovery_interval_s + \
         args.health_interval_s, "a stopping vLLM pod leaves the router's view before it stops"
+
+
+def check_tokenizer(router: Container, vllm: Container, objects: list[dict[str, Any]]) -> None:
+    """The cache strategy loads the tokenizer the engines registered (their --model path):
+    the router has it at the same path, from the same claim or built by the same recipe."""
+    env = vllm.env(readme_secrets())
+    argv = vllm.command_line(readme_secrets())
+    model = flag(argv, "--model") or f"{env['KVTIER_CACHE_DIR']}/demo-model"
+    (path,) = [m["mountPath"] for m in router.spec["volumeMounts"]
+               if model.startswith(m["mountPath"] + "/")]
+    _, mine = router.mount(path)
+    _, theirs = vllm.mount(path)
+    if "persistentVolumeClaim" in theirs:
+        assert mine.get("persistentVolumeClaim") == theirs["persistentVolumeClaim"]
+    else:
+        builders = [c for c in containers([router.owner]) if c.init]
+        assert [flag(c.command_line(), "--path") for c in builders] == [model]
 
 
 def check_demo(c: Container, args: argparse.Namespace, objects: list[dict[str, Any]]) -> None:

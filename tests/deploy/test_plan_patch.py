@@ -102,3 +102,28 @@ def test_patch_with_a_disk_tier_sizes_its_volume(tmp_path: Path,
     assert template["metadata"]["name"] == "disk"
     served = serve_sizes(objects, tmp_path / "pod", monkeypatch)
     assert served == (plan["arena_bytes"], plan["disk_bytes"])
+
+
+def test_engines_per_node_share_the_arena_and_disk(tmp_path: Path) -> None:
+    """With --engines N (N vLLM pods on a node) each pod gets 1/N of the arena and of the
+    disk tier, in whole slots, and its own engine's memory."""
+    import yaml
+
+    from kvtier.plan.budget import DeviceInputs, HostInputs
+    from kvtier.plan.kustomize import kustomize_patch
+    from kvtier.plan.model import read_model
+    from kvtier.plan.planner import DiskInputs, make_plan
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    model = read_model(str(tmp_path))
+    one = make_plan(model, DeviceInputs(device_bytes=80 * GiB),
+                    HostInputs(ram_bytes=512 * GiB, engines=4), DiskInputs("/d", 1 << 40))
+    doc = yaml.safe_load(kustomize_patch(one))
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    env = {v["name"]: v["value"] for v in container["env"]}
+    arena = int(env["KVTIER_ARENA_SIZE"])
+    slot = one.host.slot_bytes
+    assert arena % slot == 0 and arena == one.arena_bytes // 4 // slot * slot
+    memory = quantity(container["resources"]["requests"]["memory"])
+    assert one.host.engines_bytes // 4 + arena + GiB <= memory
+    assert memory < one.host.engines_bytes // 4 + arena + GiB + (1 << 20)
