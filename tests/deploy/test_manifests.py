@@ -145,3 +145,25 @@ def test_disk_volume_holds_the_disk_tier(rendered: dict[str, list[dict[str, Any]
     assert disk * 1.01 < storage, "the disk tier keeps 1% of its filesystem free"
     _, volume = vllm.mount("/var/cache/kvtier")
     assert volume["name"] == template["metadata"]["name"]
+
+
+def test_why_the_tenants_file_is_mounted_with_subpath(tmp_path: Path) -> None:
+    """A Secret volume's files are links into a timestamped folder (the kubelet's layout:
+    KEY -> ..data/KEY, ..data -> ..TIMESTAMP): kvtier opens secret files without following
+    links, so the router would refuse the file there. A subPath mount is the file itself."""
+    from kvtier.errors import ConfigError
+    from kvtier.router.tenants import load_tenants
+
+    from .kube import readme_block
+
+    volume = tmp_path / "volume"
+    (volume / "..2026_12_07_00_00_00.1").mkdir(parents=True)
+    real = volume / "..2026_12_07_00_00_00.1" / "tenants.yaml"
+    real.write_text(readme_block("tenants"))
+    real.chmod(0o400)
+    (volume / "..data").symlink_to("..2026_12_07_00_00_00.1")
+    (volume / "tenants.yaml").symlink_to("..data/tenants.yaml")
+    with pytest.raises(ConfigError, match="cannot open .*symbolic links"):
+        load_tenants(str(volume / "tenants.yaml"), None, None)
+    tenants = load_tenants(str(real), None, None)  # what a subPath mount shows
+    assert tenants is not None
