@@ -163,7 +163,7 @@ def test_why_the_tenants_file_is_mounted_with_subpath(tmp_path: Path) -> None:
     real.chmod(0o400)
     (volume / "..data").symlink_to("..2026_12_07_00_00_00.1")
     (volume / "tenants.yaml").symlink_to("..data/tenants.yaml")
-    with pytest.raises(ConfigError, match="cannot open .*symbolic links"):
+    with pytest.raises(ConfigError, match=r"cannot open .*symbolic links"):
         load_tenants(str(volume / "tenants.yaml"), None, None)
     tenants = load_tenants(str(real), None, None)  # what a subPath mount shows
     assert tenants is not None
