@@ -21,13 +21,17 @@ setup: $(STAMP)
 
 # Services the shared-tier tests start (kvtier.services): redis-server, and fuse3 for
 # `weed mount` (fusermount3, and the fusermount name weed calls to unmount). Installed with
-# apt-get, as root or through sudo; `make test` calls it, so a fresh clone needs nothing else.
+# apt-get, as root or through sudo; `make test` calls it, so a fresh clone needs nothing else
+# but kubectl, which it checks for (no Debian package is recent enough to install).
 system-deps:
 	@if command -v redis-server >/dev/null && command -v fusermount >/dev/null; then :; \
 	else if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
 	     $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
 	     $$SUDO env DEBIAN_FRONTEND=noninteractive \
 	         apt-get install -y -q --no-install-recommends redis-server fuse3; fi
+	@# tests/deploy renders deploy/kubernetes with kubectl kustomize (in the base image here)
+	@command -v kubectl >/dev/null || { echo "make test needs kubectl (with kustomize v5) to" \
+	    "render deploy/kubernetes: https://kubernetes.io/docs/tasks/tools/" >&2; exit 1; }
 
 demo: setup
 	$(VENV)/bin/kvtier serve --demo-request

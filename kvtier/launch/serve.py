@@ -80,11 +80,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "under ~/.cache/kvtier/demo-model on first use)")
     p.add_argument("--arena-size",
                    help=f"host-RAM tier size (default: {arena // MiB}MiB, 1/8 of this "
-                   "machine's RAM; with --instances N, 1/N of that each)")
+                   "machine's RAM; with --instances N, 1/N of that each; with "
+                   "--server-config: replaces its arena.size_bytes)")
     p.add_argument("--disk-path", default=str(default_disk_path()),
                    help="disk tier folder (default: %(default)s)")
-    p.add_argument("--disk-size", default=f"{disk // GiB}GiB",
-                   help="disk tier capacity (default: %(default)s, 1/4 of the free space)")
+    p.add_argument("--disk-size",
+                   help=f"disk tier capacity (default: {disk // GiB}GiB, 1/4 of the free "
+                   "space; with --server-config: replaces the capacity_bytes of its one disk "
+                   "tier)")
     p.add_argument("--no-disk", action="store_true", help="host-RAM tier only")
     p.add_argument("--server-config", metavar="FILE",
                    help="YAML node-server config for the embedded server (overrides the "
@@ -214,12 +217,15 @@ def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"cannot read {args.server_config}: {exc}") from exc
         if not isinstance(server, dict):
             raise ConfigError(f"{args.server_config}: expected a mapping")
+        _override_sizes(server, args)
     else:
         size = args.arena_size or f"{default_sizes()[0] // MiB}MiB"
         server = {"arena": {"size_bytes": parse_size(size, "--arena-size")}}
         if not args.no_disk:
             server["tiers"] = [{
-                "type": "disk", "capacity_bytes": parse_size(args.disk_size, "--disk-size"),
+                "type": "disk",
+                "capacity_bytes": parse_size(args.disk_size or f"{default_sizes()[1] // GiB}GiB",
+                                             "--disk-size"),
                 "options": {"path": os.path.expanduser(args.disk_path)},
             }]
     server.setdefault("socket_path", args.socket_path or _default_socket())
@@ -238,6 +244,24 @@ def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
     if args.node_token_file:
         _auth(server, args)["http_token_file"] = check_token_file(args.node_token_file)
     return server
+
+
+def _override_sizes(server: dict[str, Any], args: argparse.Namespace) -> None:
+    """``--arena-size`` and ``--disk-size`` given with ``--server-config`` replace the file's
+    sizes (a Kubernetes pod sets them from its environment; the file is shared by all)."""
+    where = args.server_config
+    if args.arena_size:
+        arena = server.setdefault("arena", {})
+        if not isinstance(arena, dict):
+            raise ConfigError(f"{where}: arena: expected a mapping")
+        arena["size_bytes"] = parse_size(args.arena_size, "--arena-size")
+    if args.disk_size:
+        tiers = server.get("tiers") or []
+        disks = [t for t in tiers if isinstance(t, dict) and t.get("type") == "disk"]
+        if len(disks) != 1:
+            raise ConfigError(f"--disk-size: {where} has {len(disks)} disk tiers; it sets "
+                              "the capacity of exactly one (set capacity_bytes in the file)")
+        disks[0]["capacity_bytes"] = parse_size(args.disk_size, "--disk-size")
 
 
 def _auth(server: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

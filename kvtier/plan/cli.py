@@ -4,10 +4,11 @@
 
     kvtier plan --model /models/llama-3-8b --device-memory 80GiB --tensor-parallel-size 1 \
         --max-model-len 32768 --gpu-memory-utilization 0.9 [--trace mooncake.jsonl] \
-        [-o server.yaml]
+        [-o server.yaml] [--kustomize-patch plan-patch.yaml]
 
 Prints the budgets (see :mod:`kvtier.plan.budget`), with ``--trace`` the four questions
-answered (:mod:`kvtier.plan.traffic`), and a ``kvtier server --config`` YAML.
+answered (:mod:`kvtier.plan.traffic`), and a ``kvtier server --config`` YAML; optionally the
+same sizes as a patch of the Kubernetes manifests (:mod:`kvtier.plan.kustomize`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("-o", "--output", help="write the server config YAML here")
     p.add_argument("--json", dest="json_path", help="write the plan's figures as JSON")
+    p.add_argument("--kustomize-patch", metavar="FILE",
+                   help="write the sizes (arena, disk, memory, GPUs, gpu-memory-utilization) "
+                   "as a kustomize patch of deploy/kubernetes' vLLM StatefulSet")
     p.set_defaults(func=run)
 
 
@@ -136,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     print("\n" + text, end="")
     if args.output:
         Path(args.output).write_text(text)
+    if args.kustomize_patch:
+        from kvtier.plan.kustomize import kustomize_patch
+
+        Path(args.kustomize_patch).write_text(kustomize_patch(plan))
     if args.json_path:
         from kvtier.trace.report import write_json
 

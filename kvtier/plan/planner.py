@@ -61,6 +61,7 @@ class Plan:
     """0: no disk tier in the config."""
     advice: TraceAdvice | None
     config: dict[str, Any]
+    host_inputs: HostInputs | None = None
 
 
 def make_plan(model: ModelShape, d: DeviceInputs, h: HostInputs, disk: DiskInputs,
@@ -96,7 +97,7 @@ def make_plan(model: ModelShape, d: DeviceInputs, h: HostInputs, disk: DiskInput
     config = server_config(arena_bytes, host.slot_bytes, disk_bytes, disk.path,
                            advice.admission if advice else ())
     return Plan(model, d, device, host, disk, chunk_tokens, per_token, arena_bytes, disk_bytes,
-                advice, config)
+                advice, config, h)
 
 
 def server_config(arena_bytes: int, slot_bytes: int, disk_bytes: int, disk_path: str,

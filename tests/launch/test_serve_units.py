@@ -68,3 +68,35 @@ def test_serve_passes_unknown_options_to_vllm(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv-transfer-config"):
         build_plan(parser.parse_args(["serve", "--model", str(model),
                                       "--kv-transfer-config", "{}"]))
+
+
+def test_size_flags_replace_the_server_config_sizes(tmp_path: Path) -> None:
+    """A Kubernetes pod shares one config file and sets its sizes on the command line:
+    --arena-size and --disk-size win over the file; a file with no single disk tier is told."""
+    from kvtier.launch.serve import build_plan, register
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64}))
+    config = tmp_path / "server.yaml"
+    config.write_text("arena: {size_bytes: 32MiB}\ntiers:\n  - type: disk\n"
+                      f"    capacity_bytes: 1GiB\n    options: {{path: {tmp_path / 'd'}}}\n")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def plan(*flags: str) -> object:
+        return build_plan(parser.parse_args(["serve", "--model", str(model), "--server-config",
+                                             str(config), *flags]))
+
+    kept = plan()
+    assert kept.server.arena.size_bytes == 32 << 20  # type: ignore[attr-defined]
+    assert kept.server.tiers[0].capacity_bytes == 1 << 30  # type: ignore[attr-defined]
+    sized = plan("--arena-size", "64MiB", "--disk-size", "2GiB")
+    assert sized.server.arena.size_bytes == 64 << 20  # type: ignore[attr-defined]
+    assert sized.server.tiers[0].capacity_bytes == 2 << 30  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="--arena-size"):
+        plan("--arena-size", "lots")
+    config.write_text("arena: {size_bytes: 32MiB}\n")
+    with pytest.raises(ConfigError, match=r"--disk-size: .* has 0 disk tiers"):
+        plan("--disk-size", "2GiB")
