@@ -26,7 +26,7 @@ sees every use of a key through :meth:`AdmissionPolicy.record`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -145,6 +145,15 @@ class EvictionPolicy(Generic[K]):
         else:
             self._bucket(priority).insert_after(key, parent)
         self._priority[key] = priority
+
+    def set_priorities(self, keys: Sequence[K], priority: int) -> None:
+        """Move the tracked ``keys`` of one prefix chain (head first, as a request lists
+        them) to ``priority``, tail first: the head is moved last, so it is the most recent
+        in its new bucket and the chain still leaves tail first (a head that left first
+        would make the rest of its chain unreachable)."""
+        priority = check_priority(priority)
+        for key in reversed(keys):
+            self.set_priority(key, priority)
 
     def priority(self, key: K) -> int | None:
         return self._priority.get(key)

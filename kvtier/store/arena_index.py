@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 
 from kvtier.auth import Keyring
 from kvtier.codec import seal
@@ -157,11 +157,14 @@ class ArenaIndex:
     def touch(self, key: ChunkKey) -> None:
         self.policy.touch(key)  # a demoting chunk is not in the order: the use is not kept
 
-    def set_priority(self, key: ChunkKey, priority: int) -> None:
-        entry = self.entries.get(key)
-        if entry is not None:
-            entry.priority = priority
-            self.policy.set_priority(key, priority)
+    def set_priorities(self, keys: Sequence[ChunkKey], priority: int) -> None:
+        """Re-prioritise the chunks of ``keys`` held here (a prefix chain, head first);
+        the chain keeps its order (:meth:`EvictionPolicy.set_priorities`)."""
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.priority = priority
+        self.policy.set_priorities(keys, priority)
 
     def ready(self) -> Iterator[Entry]:
         return (e for e in self.entries.values() if e.where is Where.READY)

@@ -372,16 +372,17 @@ class TieredStore:
         return True
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
+        """Move the held chunks of ``keys`` (a prefix, head first) to ``priority`` in every
+        tier, tail first, so that the chain still leaves tail first."""
         check_keys(keys)
         try:
             check_priority(priority)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
-        with self._locked("set_priority"):
-            for key in keys:
-                self.index.set_priority(key, priority)
-                for state in self.tiers:
-                    state.set_priority(key, priority)
+        with self._locked("set_priority"):  # tail first: the chain keeps its order
+            self.index.set_priorities(keys, priority)
+            for state in self.tiers:
+                state.set_priorities(keys, priority)
 
     # ------------------------------------------------------------------ two-phase load
 

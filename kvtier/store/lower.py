@@ -28,7 +28,7 @@ what it must not echo (:mod:`kvtier.store.changes`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
@@ -198,8 +198,8 @@ class LowerTierState:
         """A use of a held chunk (a lease here, a peer's hit): later in the eviction order."""
         self.books.touch(key)
 
-    def set_priority(self, key: ChunkKey, priority: int) -> None:
-        self.books.set_priority(key, priority)
+    def set_priorities(self, keys: Sequence[ChunkKey], priority: int) -> None:
+        self.books.set_priorities(keys, priority)
 
     def release(self, promised: int) -> None:
         """A write promised ``promised`` bytes by :meth:`make_room` stored nothing."""

@@ -156,8 +156,9 @@ class TierBooks:
     def touch(self, key: Hashable) -> None:
         self.policy.touch(key)
 
-    def set_priority(self, key: Hashable, priority: int) -> None:
-        self.policy.set_priority(key, priority)
+    def set_priorities(self, keys: Sequence[Hashable], priority: int) -> None:
+        """Re-prioritise a prefix chain's held chunks (head first), keeping its order."""
+        self.policy.set_priorities(keys, priority)
 
     def mark_deleting(self, key: Hashable) -> None:
         self.deleting.add(key)
