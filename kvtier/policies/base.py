@@ -10,6 +10,11 @@ priority present first, so a chunk at priority 80 outlives any number of chunks 
       buckets[35] -> Algorithm
       buckets[80] -> Algorithm   (evicted last)
 
+A priority may come with a deadline (``until``, on the policy's ``clock``): past it, the key
+falls back to the default priority, entering that bucket as if stored then. Expiry is lazy:
+deadlines wait in a heap, and the ones due are applied where a victim is chosen or a priority
+read, so its cost is O(log n) per deadline set, never a scan of the keys.
+
 ``evict(n, protected)`` is all-or-nothing: it returns exactly ``n`` victims, or ``None`` and
 changes nothing. Keys for which ``protected(key)`` is true (leased, being written or read)
 are never returned.
@@ -25,25 +30,20 @@ sees every use of a key through :meth:`AdmissionPolicy.record`.
 
 from __future__ import annotations
 
+import heapq
+import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvtier.policies.retention import (
+    DEFAULT_PRIORITY,
+    check_priority,
+)
+
 K = TypeVar("K", bound=Hashable)
-
-DEFAULT_PRIORITY = 35
-MIN_PRIORITY = 0
-MAX_PRIORITY = 100
-
-
-def check_priority(priority: object) -> int:
-    """The priority as an int; raises ValueError naming the allowed range otherwise."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer in [0, 100], got {priority!r}")
-    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-        raise ValueError(f"priority must be in [0, 100], got {priority}")
-    return priority
 
 
 class Algorithm(ABC, Generic[K]):
@@ -98,26 +98,43 @@ class Algorithm(ABC, Generic[K]):
 class EvictionPolicy(Generic[K]):
     """Priority buckets of one algorithm; see the module docstring."""
 
-    def __init__(self, make: Callable[[int], Algorithm[K]], capacity: int) -> None:
+    def __init__(self, make: Callable[[int], Algorithm[K]], capacity: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._make = make
         self.capacity = capacity
+        self.clock = clock
+        """What deadlines (``until``) are read against."""
         self._buckets: dict[int, Algorithm[K]] = {}
         self._priority: dict[K, int] = {}
         self._parent: dict[K, K] = {}
         """The chain parent of each tracked key inserted with one."""
+        self._until: dict[K, tuple[float, int]] = {}
+        """Each key whose priority falls back: its deadline and the heap entry's number."""
+        self._due: list[tuple[float, int, K]] = []
+        """Deadlines, soonest first; entries no longer in ``_until`` are skipped lazily."""
+        self._seq = 0
+        self.expired = 0
+        """Keys that fell back to the default priority at their deadline, so far."""
 
-    def insert(self, key: K, priority: int = DEFAULT_PRIORITY, parent: K | None = None) -> None:
-        """Track a newly stored key, after ``parent`` in its prefix chain if given. Raises
-        KeyError if it is already tracked."""
+    def insert(self, key: K, priority: int = DEFAULT_PRIORITY, parent: K | None = None,
+               until: float | None = None) -> None:
+        """Track a newly stored key, after ``parent`` in its prefix chain if given, at
+        ``priority`` until ``until`` (then the default). Raises KeyError if it is already
+        tracked."""
         if key in self._priority:
             raise KeyError(f"key already tracked by the eviction policy: {key!r}")
-        bucket = self._bucket(check_priority(priority))
+        priority = check_priority(priority)
+        until = self._check_until(until)
+        if until is not None and until <= self.clock():
+            priority, until = DEFAULT_PRIORITY, None
+        bucket = self._bucket(priority)
         if parent is None or parent == key:  # a chunk cannot follow itself: no hint
             bucket.insert(key)
         else:
             bucket.insert_after(key, parent)
             self._parent[key] = parent
         self._priority[key] = priority
+        self._set_until(key, priority, until)
 
     def touch(self, key: K) -> None:
         """Record a hit; unknown keys are ignored (a hit may race an eviction)."""
@@ -131,12 +148,73 @@ class EvictionPolicy(Generic[K]):
         if priority is not None:
             self._buckets[priority].remove(key)
             self._parent.pop(key, None)
+            self._until.pop(key, None)
 
-    def set_priority(self, key: K, priority: int) -> None:
-        """Move a tracked key to another priority (it counts as a hit there)."""
+    def set_priority(self, key: K, priority: int, until: float | None = None) -> None:
+        """Move a tracked key to ``priority`` until ``until`` (then the default; ``None``:
+        until changed). Moved, it counts as stored anew there; at its own priority only
+        its deadline changes."""
         priority = check_priority(priority)
-        old = self._priority.get(key)
-        if old is None or old == priority:
+        until = self._check_until(until)
+        if key not in self._priority:
+            return
+        if until is not None and until <= self.clock():
+            priority, until = DEFAULT_PRIORITY, None
+        self._move(key, priority)
+        self._set_until(key, priority, until)
+
+    def set_priorities(self, keys: Sequence[K], priority: int,
+                       until: float | None = None) -> None:
+        """Move the tracked ``keys`` of one prefix chain (head first, as a request lists
+        them) to ``priority``, tail first: the head is moved last, so it is the most recent
+        in its new bucket and the chain still leaves tail first (a head that left first
+        would make the rest of its chain unreachable). Their deadlines, set in the same
+        order, make them fall back tail first too."""
+        priority = check_priority(priority)
+        until = self._check_until(until)
+        for key in reversed(keys):
+            self.set_priority(key, priority, until)
+
+    def priority(self, key: K) -> int | None:
+        """The key's priority now (past its deadline: the default); ``None`` if untracked."""
+        self.expire()
+        return self._priority.get(key)
+
+    def retention(self, key: K) -> tuple[int, float | None] | None:
+        """The key's priority now and its deadline (``None``: none); ``None`` if untracked."""
+        self.expire()
+        priority = self._priority.get(key)
+        if priority is None:
+            return None
+        until = self._until.get(key)
+        return priority, None if until is None else until[0]
+
+    @property
+    def retained(self) -> int:
+        """Keys whose priority falls back at a deadline."""
+        return len(self._until)
+
+    def expire(self) -> int:
+        """Move every key past its deadline to the default priority, soonest deadline
+        first (a chain set together falls back tail first); returns how many. O(1) when
+        none is due."""
+        due = self._due
+        if not due or due[0][0] > self.clock():
+            return 0
+        now, moved = self.clock(), 0
+        while due and due[0][0] <= now:
+            until, seq, key = heapq.heappop(due)
+            if self._until.get(key) != (until, seq):
+                continue  # changed or gone since
+            del self._until[key]
+            self._move(key, DEFAULT_PRIORITY)
+            moved += 1
+        self.expired += moved
+        return moved
+
+    def _move(self, key: K, priority: int) -> None:
+        old = self._priority[key]
+        if old == priority:
             return
         self._buckets[old].remove(key)
         parent = self._parent.get(key)
@@ -146,17 +224,25 @@ class EvictionPolicy(Generic[K]):
             self._bucket(priority).insert_after(key, parent)
         self._priority[key] = priority
 
-    def set_priorities(self, keys: Sequence[K], priority: int) -> None:
-        """Move the tracked ``keys`` of one prefix chain (head first, as a request lists
-        them) to ``priority``, tail first: the head is moved last, so it is the most recent
-        in its new bucket and the chain still leaves tail first (a head that left first
-        would make the rest of its chain unreachable)."""
-        priority = check_priority(priority)
-        for key in reversed(keys):
-            self.set_priority(key, priority)
+    def _set_until(self, key: K, priority: int, until: float | None) -> None:
+        if until is None or priority == DEFAULT_PRIORITY:
+            self._until.pop(key, None)
+            return
+        self._seq += 1
+        self._until[key] = (until, self._seq)
+        heapq.heappush(self._due, (until, self._seq, key))
+        if len(self._due) > 2 * len(self._until) + 64:  # stale entries: compact, amortized
+            self._due = [(u, n, k) for k, (u, n) in self._until.items()]
+            heapq.heapify(self._due)
 
-    def priority(self, key: K) -> int | None:
-        return self._priority.get(key)
+    @staticmethod
+    def _check_until(until: float | None) -> float | None:
+        if until is None:
+            return None
+        if isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(
+                until):
+            raise ValueError(f"until must be a finite time or None, got {until!r}")
+        return float(until)
 
     def evict(self, n: int, protected: Callable[[K], bool] = lambda _: False) -> list[K] | None:
         """Choose ``n`` unprotected victims, lowest priority first, and forget them.
@@ -166,6 +252,8 @@ class EvictionPolicy(Generic[K]):
         """
         if n <= 0:
             return []
+        if self._due:
+            self.expire()
         if n == 1 and len(self._buckets) == 1:  # the common case, without the general walk
             for priority, bucket in self._buckets.items():
                 for key in bucket.victims_for(protected):
@@ -190,6 +278,8 @@ class EvictionPolicy(Generic[K]):
 
         Walks the eviction order lazily, so the cost is the victims, not the tier's size.
         """
+        if self._due:
+            self.expire()
         chosen: list[tuple[int, K]] = []
         freed = 0
         for priority in sorted(self._buckets):
@@ -209,6 +299,7 @@ class EvictionPolicy(Generic[K]):
             self._buckets[priority].evicted(key)
             del self._priority[key]
             self._parent.pop(key, None)
+            self._until.pop(key, None)
         return [key for _, key in chosen]
 
     def unreachable(self, held_elsewhere: Callable[[K], bool] | None = None) -> int:
@@ -235,6 +326,7 @@ class EvictionPolicy(Generic[K]):
 
     def order(self) -> list[K]:
         """Every tracked key in eviction order (for tests and admin views)."""
+        self.expire()
         return [k for p in sorted(self._buckets) for k in self._buckets[p].victims()]
 
     def __len__(self) -> int:
