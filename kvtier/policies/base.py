@@ -212,6 +212,11 @@ class EvictionPolicy(Generic[K]):
         self.expired += moved
         return moved
 
+    def count_by_priority(self) -> dict[int, int]:
+        """Tracked keys per priority, as of the last deadline applied (read-only: safe for
+        gauges read beside the owner's lock); O(priorities used)."""
+        return {p: len(bucket) for p, bucket in list(self._buckets.items()) if len(bucket)}
+
     def _move(self, key: K, priority: int) -> None:
         old = self._priority[key]
         if old == priority:

@@ -52,6 +52,7 @@ from kvtier.keys import ChunkKey
 from kvtier.metrics import StoreMetrics
 from kvtier.policies import (
     DEFAULT_PRIORITY,
+    MIN_PRIORITY,
     EvictionPolicy,
     Retention,
     check_duration,
@@ -394,6 +395,9 @@ class TieredStore:
             self.index.set_priorities(keys, priority, until)
             for state in self.tiers:
                 state.set_priorities(keys, priority, until)
+        if priority == MIN_PRIORITY:
+            self.metrics.retention_releases.inc(len(keys))
+        self._set_gauges()
 
     # ------------------------------------------------------------------ two-phase load
 
@@ -404,9 +408,17 @@ class TieredStore:
         deadline = self.clock() + self.config.lease_ttl_s
         with self._locked("lease"):
             record = self.loads.lease(owner, self._prefix(keys), deadline)
-        for item in record.items:
+            retained = [self._retained(item.key) for item in record.items]
+        for item, kept in zip(record.items, retained, strict=True):
             self.metrics.hits.labels(item.tier).inc()
+            self.metrics.retained_hits.labels(item.tier, kept).inc()
         return record
+
+    def _retained(self, key: ChunkKey) -> str:
+        """``yes`` if the leased chunk is held above the default priority now (lock held)."""
+        entry = self.index.get(key)
+        held = entry is not None and self.index.retention(entry)[0] > DEFAULT_PRIORITY
+        return "yes" if held else "no"
 
     def wait(self, lease_id: int, timeout_s: float, owner: int | None = None) -> LeaseRecord:
         """Block until the lease has no pending chunk or the timeout passes.

@@ -10,10 +10,12 @@ from store_helpers import (
     CHUNK_BYTES,
     NS,
     PAYLOAD,
+    SLOT_BYTES,
     TOKENS,
     MakeStore,
     keys,
     load,
+    sample,
     store_chunks,
 )
 
@@ -114,3 +116,29 @@ def test_bad_durations_are_refused_before_anything_changes(tmp_path: Path,
         store.set_priority(k, 101, retain_s=5.0)
     assert store.index.policy.retention(k[0]) == (DEFAULT_PRIORITY, None)
     store.check_integrity()
+
+
+def test_retention_is_seen_in_metrics(tmp_path: Path, make_store: MakeStore) -> None:
+    clock = Clock()
+    store = make_store(tmp_path, slots=3, disk_bytes=20 * CHUNK_BYTES, clock=clock)
+    kept, other = keys(2, "kept"), keys(1, "other")
+    store_chunks(store, kept, priority=90, retain_s=30.0)
+    store_chunks(store, other)
+    store.flush(5.0)
+    store_chunks(store, keys(1, "tick"))  # a commit sets the gauges
+    assert sample(store, "kvtier_retained_chunks", tier="arena", band="80-100") == 2
+    assert sample(store, "kvtier_retained_bytes", tier="arena", band="80-100") == 2 * SLOT_BYTES
+    assert sample(store, "kvtier_retained_chunks", tier="disk", band="80-100") == 2
+    assert sample(store, "kvtier_retained_bytes", tier="disk", band="80-100") == 2 * CHUNK_BYTES
+    assert load(store, kept).tiers == ["arena", "arena"]
+    assert load(store, [keys(1, "tick")[0]]).tiers == ["arena"]
+    assert sample(store, "kvtier_retained_hits_total", tier="arena", retained="yes") == 2
+    assert sample(store, "kvtier_retained_hits_total", tier="arena", retained="no") == 1
+    clock.now += 31.0
+    store_chunks(store, keys(1, "after"))  # a victim is chosen: the deadlines are read
+    store.flush(5.0)
+    store.set_priority(other, 0)
+    assert sample(store, "kvtier_retention_expiries_total", tier="arena") == 2
+    assert sample(store, "kvtier_retention_releases_total") == 1
+    assert sample(store, "kvtier_retained_chunks", tier="arena", band="80-100") == 0
+    assert sample(store, "kvtier_retained_chunks", tier="disk", band="0-34") == 1
