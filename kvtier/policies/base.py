@@ -105,13 +105,18 @@ class EvictionPolicy(Generic[K]):
         self.clock = clock
         """What deadlines (``until``) are read against."""
         self._buckets: dict[int, Algorithm[K]] = {}
+        self._ranked: list[int] = []
+        """The priorities of ``_buckets``, lowest first (buckets are never dropped)."""
         self._priority: dict[K, int] = {}
         self._parent: dict[K, K] = {}
         """The chain parent of each tracked key inserted with one."""
         self._until: dict[K, tuple[float, int]] = {}
         """Each key whose priority falls back: its deadline and the heap entry's number."""
-        self._due: list[tuple[float, int, K]] = []
-        """Deadlines, soonest first; entries no longer in ``_until`` are skipped lazily."""
+        self._due: list[tuple[float, int, list[K]]] = []
+        """Deadlines, soonest first, each with the keys set to it together (tail first); a
+        key whose ``_until`` no longer names the entry is skipped lazily."""
+        self._due_keys = 0
+        """Keys listed in ``_due``, stale ones included (compacted when they dominate)."""
         self._seq = 0
         self.expired = 0
         """Keys that fell back to the default priority at their deadline, so far."""
@@ -134,7 +139,7 @@ class EvictionPolicy(Generic[K]):
             bucket.insert_after(key, parent)
             self._parent[key] = parent
         self._priority[key] = priority
-        self._set_until(key, priority, until)
+        self._set_until([key], priority, until)
 
     def touch(self, key: K) -> None:
         """Record a hit; unknown keys are ignored (a hit may race an eviction)."""
@@ -154,14 +159,7 @@ class EvictionPolicy(Generic[K]):
         """Move a tracked key to ``priority`` until ``until`` (then the default; ``None``:
         until changed). Moved, it counts as stored anew there; at its own priority only
         its deadline changes."""
-        priority = check_priority(priority)
-        until = self._check_until(until)
-        if key not in self._priority:
-            return
-        if until is not None and until <= self.clock():
-            priority, until = DEFAULT_PRIORITY, None
-        self._move(key, priority)
-        self._set_until(key, priority, until)
+        self.set_priorities((key,), priority, until)
 
     def set_priorities(self, keys: Sequence[K], priority: int,
                        until: float | None = None) -> None:
@@ -172,8 +170,13 @@ class EvictionPolicy(Generic[K]):
         order, make them fall back tail first too."""
         priority = check_priority(priority)
         until = self._check_until(until)
-        for key in reversed(keys):
-            self.set_priority(key, priority, until)
+        if until is not None and until <= self.clock():
+            priority, until = DEFAULT_PRIORITY, None
+        tracked = self._priority
+        moved = [key for key in reversed(keys) if key in tracked]
+        for key in moved:
+            self._move(key, priority)
+        self._set_until(moved, priority, until)
 
     def priority(self, key: K) -> int | None:
         """The key's priority now (past its deadline: the default); ``None`` if untracked."""
@@ -203,12 +206,14 @@ class EvictionPolicy(Generic[K]):
             return 0
         now, moved = self.clock(), 0
         while due and due[0][0] <= now:
-            until, seq, key = heapq.heappop(due)
-            if self._until.get(key) != (until, seq):
-                continue  # changed or gone since
-            del self._until[key]
-            self._move(key, DEFAULT_PRIORITY)
-            moved += 1
+            until, seq, keys = heapq.heappop(due)
+            self._due_keys -= len(keys)
+            mark = (until, seq)
+            for key in keys:
+                if self._until.get(key) == mark:  # else changed or gone since
+                    del self._until[key]
+                    self._move(key, DEFAULT_PRIORITY)
+                    moved += 1
         self.expired += moved
         return moved
 
@@ -229,16 +234,30 @@ class EvictionPolicy(Generic[K]):
             self._bucket(priority).insert_after(key, parent)
         self._priority[key] = priority
 
-    def _set_until(self, key: K, priority: int, until: float | None) -> None:
+    def _set_until(self, keys: list[K], priority: int, until: float | None) -> None:
+        """Give ``keys`` (in the order they are to fall back) one deadline, or none."""
         if until is None or priority == DEFAULT_PRIORITY:
-            self._until.pop(key, None)
+            for key in keys:
+                self._until.pop(key, None)
+            return
+        if not keys:
             return
         self._seq += 1
-        self._until[key] = (until, self._seq)
-        heapq.heappush(self._due, (until, self._seq, key))
-        if len(self._due) > 2 * len(self._until) + 64:  # stale entries: compact, amortized
-            self._due = [(u, n, k) for k, (u, n) in self._until.items()]
-            heapq.heapify(self._due)
+        mark = (until, self._seq)
+        for key in keys:
+            self._until[key] = mark
+        heapq.heappush(self._due, (until, self._seq, keys))
+        self._due_keys += len(keys)
+        if self._due_keys > 2 * len(self._until) + 64:  # stale entries: compact, amortized
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self._until
+        due = [(u, n, kept) for u, n, keys in self._due
+               if (kept := [k for k in keys if live.get(k) == (u, n)])]
+        heapq.heapify(due)
+        self._due = due
+        self._due_keys = sum(len(keys) for _, _, keys in due)
 
     @staticmethod
     def _check_until(until: float | None) -> float | None:
@@ -259,13 +278,15 @@ class EvictionPolicy(Generic[K]):
             return []
         if self._due:
             self.expire()
-        if n == 1 and len(self._buckets) == 1:  # the common case, without the general walk
-            for priority, bucket in self._buckets.items():
-                for key in bucket.victims_for(protected):
-                    return self._forget([(priority, key)])
+        if n == 1:  # the common case, without the general walk
+            for priority in self._ranked:
+                bucket = self._buckets[priority]
+                if len(bucket):
+                    for key in bucket.victims_for(protected):
+                        return self._forget([(priority, key)])
             return None
         chosen: list[tuple[int, K]] = []
-        for priority in sorted(self._buckets):
+        for priority in self._ranked:
             for key in self._buckets[priority].victims_for(protected):
                 chosen.append((priority, key))
                 if len(chosen) == n:
@@ -287,7 +308,7 @@ class EvictionPolicy(Generic[K]):
             self.expire()
         chosen: list[tuple[int, K]] = []
         freed = 0
-        for priority in sorted(self._buckets):
+        for priority in self._ranked:
             for key in self._buckets[priority].victims_for(protected):
                 if freed >= need:
                     break
@@ -344,6 +365,7 @@ class EvictionPolicy(Generic[K]):
         bucket = self._buckets.get(priority)
         if bucket is None:
             bucket = self._buckets[priority] = self._make(self.capacity)
+            self._ranked = sorted(self._buckets)
         return bucket
 
 
