@@ -139,7 +139,8 @@ class EvictionPolicy(Generic[K]):
             bucket.insert_after(key, parent)
             self._parent[key] = parent
         self._priority[key] = priority
-        self._set_until([key], priority, until)
+        if until is not None:  # a new key has no deadline to clear
+            self._set_until([key], priority, until)
 
     def touch(self, key: K) -> None:
         """Record a hit; unknown keys are ignored (a hit may race an eviction)."""
