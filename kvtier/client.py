@@ -193,8 +193,10 @@ class KvtierClient:
         self.call(Release(lease_id))
 
     def reserve(self, namespace_fp: bytes, keys: Sequence[ChunkKey], *, payload_len: int,
-                tokens: int, priority: int = 35, first_index: int = 0) -> list[int | None]:
-        request = Reserve(namespace_fp, list(keys), payload_len, tokens, priority, first_index)
+                tokens: int, priority: int = 35, first_index: int = 0,
+                retain_s: float | None = None) -> list[int | None]:
+        request = Reserve(namespace_fp, list(keys), payload_len, tokens, priority, first_index,
+                          retain_s)
         return self.call(request).slots
 
     def commit(self, keys: Sequence[ChunkKey]) -> int:
@@ -203,8 +205,11 @@ class KvtierClient:
     def abort(self, keys: Sequence[ChunkKey]) -> int:
         return self.call(Abort(list(keys))).count
 
-    def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
-        self.call(SetPriority(list(keys), priority))
+    def set_priority(self, keys: Sequence[ChunkKey], priority: int,
+                     retain_s: float | None = None) -> None:
+        """Keep ``keys`` (a prefix, head first) at ``priority`` for ``retain_s`` seconds
+        (``None``: until changed); priority 0 releases them."""
+        self.call(SetPriority(list(keys), priority, retain_s))
 
     def report(self, client: str, counters: dict[str, float]) -> int:
         """Add engine-side counter increments to the server's /metrics."""

@@ -21,7 +21,7 @@ import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 import msgspec
 import yaml
@@ -336,7 +336,9 @@ def _type_at(cls: type, path: str) -> Any:
     return _not_none(hint)
 
 
-def _not_none(hint: Any) -> Any:  # X | None -> X
+def _not_none(hint: Any) -> Any:  # X | None -> X, Annotated[X, ...] -> X
+    if get_origin(hint) is Annotated:
+        hint = get_args(hint)[0]
     if isinstance(hint, types.UnionType):
         return next(arg for arg in get_args(hint) if arg is not type(None))
     return hint

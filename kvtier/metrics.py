@@ -7,6 +7,8 @@ tier) or ``write`` (into it).
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _IO_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -70,6 +72,25 @@ class StoreMetrics:
         self.internal_errors = Counter("kvtier_internal_errors", "Requests that failed inside "
                                        "the server (a bug: logged with its traceback)", ["op"],
                                        registry=r)
+        self.retained_chunks = Gauge(
+            "kvtier_retained_chunks", "Chunks held by a tier, by retention priority band "
+            "(0-34, 35 the default, 36-79, 80-100)", ["tier", "band"], registry=r)
+        self.retained_bytes = Gauge(
+            "kvtier_retained_bytes", "Bytes held by a tier by retention priority band (the "
+            "arena: slots; a lower tier: chunks at its mean chunk size)", ["tier", "band"],
+            registry=r)
+        self.retention_expiries = Counter(
+            "kvtier_retention_expiries", "Chunks whose retention duration ended (back at the "
+            "default priority)", ["tier"], registry=r)
+        self.expiries_seen: dict[str, int] = {}
+        """Each tier's expiries already counted (policies keep a running total)."""
+        self.retention_lock = threading.Lock()
+        self.retention_releases = Counter(
+            "kvtier_retention_releases", "Chunks a request released (priority 0)", registry=r)
+        self.retained_hits = Counter(
+            "kvtier_retained_hits", "Chunks leased, by the tier that held them and whether "
+            "they were retained above the default priority then", ["tier", "retained"],
+            registry=r)
         self.engine_events = Counter(
             "kvtier_engine_events", "Counters reported by engine clients (e.g. the vLLM "
             "connector's loaded_tokens by tier)", ["client", "event", "tier"], registry=r)

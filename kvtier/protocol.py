@@ -34,6 +34,7 @@ from msgspec import Meta
 
 from kvtier.errors import ProtocolError
 from kvtier.keys import ChunkKey
+from kvtier.policies.retention import MAX_RETAIN_S
 
 PROTOCOL_VERSION = 2
 MAX_KEYS = 1 << 16
@@ -45,6 +46,8 @@ Key = Annotated[ChunkKey, Meta(min_length=32, max_length=32)]
 Keys = Annotated[list[Key], Meta(max_length=MAX_KEYS)]
 Fingerprint = Annotated[bytes, Meta(min_length=32, max_length=32)]
 Priority = Annotated[int, Meta(ge=0, le=100)]
+RetainS = Annotated[float, Meta(gt=0.0, le=MAX_RETAIN_S)]
+"""A retention's duration: the priority falls back to the default after it."""
 Name = Annotated[str, Meta(max_length=200)]
 U32 = Annotated[int, Meta(ge=0, lt=2**32)]
 
@@ -157,6 +160,7 @@ class Reserve(Op[ReserveReply], tag="reserve"):
     tokens: Annotated[int, Meta(ge=1, lt=2**32)]
     priority: Priority = 35
     first_index: U32 = 0
+    retain_s: RetainS | None = None
 
 
 class Commit(Op[CountReply], tag="commit"):
@@ -190,6 +194,7 @@ class SetPriority(Op[CountReply], tag="set_priority"):
     REPLY = CountReply
     keys: Keys
     priority: Priority
+    retain_s: RetainS | None = None
 
 
 class Stats(Op[StatsReply], tag="stats"):

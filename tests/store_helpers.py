@@ -114,10 +114,10 @@ def server_config(root: Path, *, slots: int = 8, disk_bytes: int | None = None,
 
 def store_chunks(store: TieredStore, chunk_keys: Sequence[ChunkKey], fill: int = 0, *,
                  owner: int = 1, priority: int = 35, first_index: int = 0,
-                 n: int = PAYLOAD) -> list[int | None]:
+                 n: int = PAYLOAD, retain_s: float | None = None) -> list[int | None]:
     """Reserve, write each granted slot's payload pattern, commit; returns the slots."""
     slots = store.reserve(owner, NS, chunk_keys, payload_len=n, tokens=TOKENS,
-                          priority=priority, first_index=first_index)
+                          priority=priority, first_index=first_index, retain_s=retain_s)
     granted = [key for key, slot in zip(chunk_keys, slots, strict=True) if slot is not None]
     for key, slot in zip(chunk_keys, slots, strict=True):
         if slot is not None:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 from kvtier.policies.base import (
-    DEFAULT_PRIORITY,
     AdmissionContext,
     AdmissionPolicy,
     Algorithm,
     EvictionPolicy,
+)
+from kvtier.policies.retention import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    MAX_RETAIN_S,
+    MIN_PRIORITY,
+    RELEASE,
+    Retention,
+    check_duration,
     check_priority,
+    effective,
 )
 from kvtier.registry import Registry
 
@@ -27,9 +37,11 @@ ADMISSION.register("min_priority", "kvtier.policies.admission:MinPriority")
 ADMISSION.register("min_prefix_tokens", "kvtier.policies.admission:MinPrefixTokens")
 
 
-def make_eviction(name: str, capacity: int) -> EvictionPolicy[Hashable]:
-    """A priority-aware eviction policy running algorithm ``name`` over ``capacity`` entries."""
-    return EvictionPolicy(EVICTION[name], capacity)
+def make_eviction(name: str, capacity: int,
+                  clock: Callable[[], float] | None = None) -> EvictionPolicy[Hashable]:
+    """A priority-aware eviction policy running algorithm ``name`` over ``capacity`` entries
+    (retention deadlines read against ``clock``, default ``time.monotonic``)."""
+    return EvictionPolicy(EVICTION[name], capacity, clock or time.monotonic)
 
 
 def make_admission(rules: Sequence[tuple[str, int]]) -> list[AdmissionPolicy]:
@@ -44,12 +56,19 @@ __all__ = [
     "ADMISSION",
     "DEFAULT_PRIORITY",
     "EVICTION",
+    "MAX_PRIORITY",
+    "MAX_RETAIN_S",
+    "MIN_PRIORITY",
+    "RELEASE",
     "AdmissionContext",
     "AdmissionPolicy",
     "Algorithm",
     "EvictionPolicy",
+    "Retention",
     "admits",
+    "check_duration",
     "check_priority",
+    "effective",
     "make_admission",
     "make_eviction",
 ]

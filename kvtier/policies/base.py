@@ -10,6 +10,11 @@ priority present first, so a chunk at priority 80 outlives any number of chunks 
       buckets[35] -> Algorithm
       buckets[80] -> Algorithm   (evicted last)
 
+A priority may come with a deadline (``until``, on the policy's ``clock``): past it, the key
+falls back to the default priority, entering that bucket as if stored then. Expiry is lazy:
+deadlines wait in a heap, and the ones due are applied where a victim is chosen or a priority
+read, so its cost is O(log n) per deadline set, never a scan of the keys.
+
 ``evict(n, protected)`` is all-or-nothing: it returns exactly ``n`` victims, or ``None`` and
 changes nothing. Keys for which ``protected(key)`` is true (leased, being written or read)
 are never returned.
@@ -25,25 +30,20 @@ sees every use of a key through :meth:`AdmissionPolicy.record`.
 
 from __future__ import annotations
 
+import heapq
+import math
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvtier.policies.retention import (
+    DEFAULT_PRIORITY,
+    check_priority,
+)
+
 K = TypeVar("K", bound=Hashable)
-
-DEFAULT_PRIORITY = 35
-MIN_PRIORITY = 0
-MAX_PRIORITY = 100
-
-
-def check_priority(priority: object) -> int:
-    """The priority as an int; raises ValueError naming the allowed range otherwise."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer in [0, 100], got {priority!r}")
-    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-        raise ValueError(f"priority must be in [0, 100], got {priority}")
-    return priority
 
 
 class Algorithm(ABC, Generic[K]):
@@ -98,26 +98,49 @@ class Algorithm(ABC, Generic[K]):
 class EvictionPolicy(Generic[K]):
     """Priority buckets of one algorithm; see the module docstring."""
 
-    def __init__(self, make: Callable[[int], Algorithm[K]], capacity: int) -> None:
+    def __init__(self, make: Callable[[int], Algorithm[K]], capacity: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._make = make
         self.capacity = capacity
+        self.clock = clock
+        """What deadlines (``until``) are read against."""
         self._buckets: dict[int, Algorithm[K]] = {}
+        self._ranked: list[int] = []
+        """The priorities of ``_buckets``, lowest first (buckets are never dropped)."""
         self._priority: dict[K, int] = {}
         self._parent: dict[K, K] = {}
         """The chain parent of each tracked key inserted with one."""
+        self._until: dict[K, tuple[float, int]] = {}
+        """Each key whose priority falls back: its deadline and the heap entry's number."""
+        self._due: list[tuple[float, int, list[K]]] = []
+        """Deadlines, soonest first, each with the keys set to it together (tail first); a
+        key whose ``_until`` no longer names the entry is skipped lazily."""
+        self._due_keys = 0
+        """Keys listed in ``_due``, stale ones included (compacted when they dominate)."""
+        self._seq = 0
+        self.expired = 0
+        """Keys that fell back to the default priority at their deadline, so far."""
 
-    def insert(self, key: K, priority: int = DEFAULT_PRIORITY, parent: K | None = None) -> None:
-        """Track a newly stored key, after ``parent`` in its prefix chain if given. Raises
-        KeyError if it is already tracked."""
+    def insert(self, key: K, priority: int = DEFAULT_PRIORITY, parent: K | None = None,
+               until: float | None = None) -> None:
+        """Track a newly stored key, after ``parent`` in its prefix chain if given, at
+        ``priority`` until ``until`` (then the default). Raises KeyError if it is already
+        tracked."""
         if key in self._priority:
             raise KeyError(f"key already tracked by the eviction policy: {key!r}")
-        bucket = self._bucket(check_priority(priority))
+        priority = check_priority(priority)
+        until = self._check_until(until)
+        if until is not None and until <= self.clock():
+            priority, until = DEFAULT_PRIORITY, None
+        bucket = self._bucket(priority)
         if parent is None or parent == key:  # a chunk cannot follow itself: no hint
             bucket.insert(key)
         else:
             bucket.insert_after(key, parent)
             self._parent[key] = parent
         self._priority[key] = priority
+        if until is not None:  # a new key has no deadline to clear
+            self._set_until([key], priority, until)
 
     def touch(self, key: K) -> None:
         """Record a hit; unknown keys are ignored (a hit may race an eviction)."""
@@ -131,12 +154,78 @@ class EvictionPolicy(Generic[K]):
         if priority is not None:
             self._buckets[priority].remove(key)
             self._parent.pop(key, None)
+            self._until.pop(key, None)
 
-    def set_priority(self, key: K, priority: int) -> None:
-        """Move a tracked key to another priority (it counts as a hit there)."""
+    def set_priority(self, key: K, priority: int, until: float | None = None) -> None:
+        """Move a tracked key to ``priority`` until ``until`` (then the default; ``None``:
+        until changed). Moved, it counts as stored anew there; at its own priority only
+        its deadline changes."""
+        self.set_priorities((key,), priority, until)
+
+    def set_priorities(self, keys: Sequence[K], priority: int,
+                       until: float | None = None) -> None:
+        """Move the tracked ``keys`` of one prefix chain (head first, as a request lists
+        them) to ``priority``, tail first: the head is moved last, so it is the most recent
+        in its new bucket and the chain still leaves tail first (a head that left first
+        would make the rest of its chain unreachable). Their deadlines, set in the same
+        order, make them fall back tail first too."""
         priority = check_priority(priority)
-        old = self._priority.get(key)
-        if old is None or old == priority:
+        until = self._check_until(until)
+        if until is not None and until <= self.clock():
+            priority, until = DEFAULT_PRIORITY, None
+        tracked = self._priority
+        moved = [key for key in reversed(keys) if key in tracked]
+        for key in moved:
+            self._move(key, priority)
+        self._set_until(moved, priority, until)
+
+    def priority(self, key: K) -> int | None:
+        """The key's priority now (past its deadline: the default); ``None`` if untracked."""
+        self.expire()
+        return self._priority.get(key)
+
+    def retention(self, key: K) -> tuple[int, float | None] | None:
+        """The key's priority now and its deadline (``None``: none); ``None`` if untracked."""
+        self.expire()
+        priority = self._priority.get(key)
+        if priority is None:
+            return None
+        until = self._until.get(key)
+        return priority, None if until is None else until[0]
+
+    @property
+    def retained(self) -> int:
+        """Keys whose priority falls back at a deadline."""
+        return len(self._until)
+
+    def expire(self) -> int:
+        """Move every key past its deadline to the default priority, soonest deadline
+        first (a chain set together falls back tail first); returns how many. O(1) when
+        none is due."""
+        due = self._due
+        if not due or due[0][0] > self.clock():
+            return 0
+        now, moved = self.clock(), 0
+        while due and due[0][0] <= now:
+            until, seq, keys = heapq.heappop(due)
+            self._due_keys -= len(keys)
+            mark = (until, seq)
+            for key in keys:
+                if self._until.get(key) == mark:  # else changed or gone since
+                    del self._until[key]
+                    self._move(key, DEFAULT_PRIORITY)
+                    moved += 1
+        self.expired += moved
+        return moved
+
+    def count_by_priority(self) -> dict[int, int]:
+        """Tracked keys per priority, as of the last deadline applied (read-only: safe for
+        gauges read beside the owner's lock); O(priorities used)."""
+        return {p: len(bucket) for p, bucket in list(self._buckets.items()) if len(bucket)}
+
+    def _move(self, key: K, priority: int) -> None:
+        old = self._priority[key]
+        if old == priority:
             return
         self._buckets[old].remove(key)
         parent = self._parent.get(key)
@@ -146,8 +235,39 @@ class EvictionPolicy(Generic[K]):
             self._bucket(priority).insert_after(key, parent)
         self._priority[key] = priority
 
-    def priority(self, key: K) -> int | None:
-        return self._priority.get(key)
+    def _set_until(self, keys: list[K], priority: int, until: float | None) -> None:
+        """Give ``keys`` (in the order they are to fall back) one deadline, or none."""
+        if until is None or priority == DEFAULT_PRIORITY:
+            for key in keys:
+                self._until.pop(key, None)
+            return
+        if not keys:
+            return
+        self._seq += 1
+        mark = (until, self._seq)
+        for key in keys:
+            self._until[key] = mark
+        heapq.heappush(self._due, (until, self._seq, keys))
+        self._due_keys += len(keys)
+        if self._due_keys > 2 * len(self._until) + 64:  # stale entries: compact, amortized
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self._until
+        due = [(u, n, kept) for u, n, keys in self._due
+               if (kept := [k for k in keys if live.get(k) == (u, n)])]
+        heapq.heapify(due)
+        self._due = due
+        self._due_keys = sum(len(keys) for _, _, keys in due)
+
+    @staticmethod
+    def _check_until(until: float | None) -> float | None:
+        if until is None:
+            return None
+        if isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(
+                until):
+            raise ValueError(f"until must be a finite time or None, got {until!r}")
+        return float(until)
 
     def evict(self, n: int, protected: Callable[[K], bool] = lambda _: False) -> list[K] | None:
         """Choose ``n`` unprotected victims, lowest priority first, and forget them.
@@ -157,13 +277,17 @@ class EvictionPolicy(Generic[K]):
         """
         if n <= 0:
             return []
-        if n == 1 and len(self._buckets) == 1:  # the common case, without the general walk
-            for priority, bucket in self._buckets.items():
-                for key in bucket.victims_for(protected):
-                    return self._forget([(priority, key)])
+        if self._due:
+            self.expire()
+        if n == 1:  # the common case, without the general walk
+            for priority in self._ranked:
+                bucket = self._buckets[priority]
+                if len(bucket):
+                    for key in bucket.victims_for(protected):
+                        return self._forget([(priority, key)])
             return None
         chosen: list[tuple[int, K]] = []
-        for priority in sorted(self._buckets):
+        for priority in self._ranked:
             for key in self._buckets[priority].victims_for(protected):
                 chosen.append((priority, key))
                 if len(chosen) == n:
@@ -181,9 +305,11 @@ class EvictionPolicy(Generic[K]):
 
         Walks the eviction order lazily, so the cost is the victims, not the tier's size.
         """
+        if self._due:
+            self.expire()
         chosen: list[tuple[int, K]] = []
         freed = 0
-        for priority in sorted(self._buckets):
+        for priority in self._ranked:
             for key in self._buckets[priority].victims_for(protected):
                 if freed >= need:
                     break
@@ -200,6 +326,7 @@ class EvictionPolicy(Generic[K]):
             self._buckets[priority].evicted(key)
             del self._priority[key]
             self._parent.pop(key, None)
+            self._until.pop(key, None)
         return [key for _, key in chosen]
 
     def unreachable(self, held_elsewhere: Callable[[K], bool] | None = None) -> int:
@@ -226,6 +353,7 @@ class EvictionPolicy(Generic[K]):
 
     def order(self) -> list[K]:
         """Every tracked key in eviction order (for tests and admin views)."""
+        self.expire()
         return [k for p in sorted(self._buckets) for k in self._buckets[p].victims()]
 
     def __len__(self) -> int:
@@ -238,6 +366,7 @@ class EvictionPolicy(Generic[K]):
         bucket = self._buckets.get(priority)
         if bucket is None:
             bucket = self._buckets[priority] = self._make(self.capacity)
+            self._ranked = sorted(self._buckets)
         return bucket
 
 

@@ -35,6 +35,7 @@ import yaml
 
 from kvtier.auth import read_private_file, read_secrets
 from kvtier.errors import ConfigError
+from kvtier.hints import parse_retention
 
 DEFAULT_TENANT = "default"
 DEFAULT_MAX_PRIORITY = 35
@@ -128,17 +129,50 @@ def check_salt(salt: object) -> None:
 
 
 def _cap_priority(body: dict[str, Any], cap: int) -> bool:
+    """Lower every priority the request's ``kvtier`` options set (its own, its retention's,
+    each token range's, decode's) to the tenant's ``cap``; a retention or release the
+    connector would not accept is a :class:`BadRequest` naming the key."""
     params = body.get("kv_transfer_params")
     options = params.get("kvtier") if isinstance(params, dict) else None
-    if not isinstance(options, dict) or options.get("priority") is None:
+    if not isinstance(options, dict):
         return False
-    priority = options["priority"]
+    _check_retention(options)
+    changed = _cap(options, "priority", cap, "kv_transfer_params.kvtier.priority")
+    retention = options.get("retention")
+    if isinstance(retention, dict):
+        where = "kv_transfer_params.kvtier.retention"
+        changed = _cap(retention, "priority", cap, f"{where}.priority") | changed
+        changed = _cap(retention, "decode_priority", cap, f"{where}.decode_priority") | changed
+        for i, token_range in enumerate(retention.get("ranges") or ()):
+            changed = _cap(token_range, "priority", cap,
+                           f"{where}.ranges[{i}].priority") | changed
+    return changed
+
+
+def _check_retention(options: dict[str, Any]) -> None:
+    if options.get("retention") is not None:
+        try:
+            parse_retention(options["retention"])
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from exc
+    release = options.get("release", False)
+    if type(release) is not bool:
+        raise BadRequest("kv_transfer_params.kvtier.release: expected true or false, got "
+                         f"{json.dumps(release)[:40]}")
+    if release and options.get("retention") is not None:
+        raise BadRequest("kv_transfer_params.kvtier: release and retention exclude each other")
+
+
+def _cap(options: dict[str, Any], key: str, cap: int, where: str) -> bool:
+    priority = options.get(key)
+    if priority is None:
+        return False
     if type(priority) is not int or not 0 <= priority <= 100:
-        raise BadRequest("kv_transfer_params.kvtier.priority: expected an integer in "
-                         f"[0, 100], got {json.dumps(priority)[:40]}")
+        raise BadRequest(f"{where}: expected an integer in [0, 100], got "
+                         f"{json.dumps(priority)[:40]}")
     if priority <= cap:
         return False
-    options["priority"] = cap
+    options[key] = cap
     return True
 
 

@@ -166,7 +166,8 @@ class Service:
     def _reserve(self, caller: Caller, request: Reserve) -> Reply:
         slots = self.store.reserve(caller.owner, request.namespace_fp, request.keys,
                                    payload_len=request.payload_len, tokens=request.tokens,
-                                   priority=request.priority, first_index=request.first_index)
+                                   priority=request.priority, first_index=request.first_index,
+                                   retain_s=request.retain_s)
         return ReserveReply(slots)
 
     @handles(Commit)
@@ -179,7 +180,7 @@ class Service:
 
     @handles(SetPriority)
     def _set_priority(self, caller: Caller, request: SetPriority) -> Reply:
-        self.store.set_priority(request.keys, request.priority)
+        self.store.set_priority(request.keys, request.priority, request.retain_s)
         return CountReply(len(request.keys))
 
     @handles(Stats)

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable, Iterator
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from kvtier.auth import Keyring
 from kvtier.codec import seal
 from kvtier.config import ArenaConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
-from kvtier.policies import EvictionPolicy, make_eviction
+from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy, effective, make_eviction
 from kvtier.store.events import REMOVED, STORED, EventLog
 from kvtier.store.records import Entry, Where
 from kvtier.tiers.arena import Arena
@@ -35,36 +36,40 @@ SEAL_LOCKS = [threading.Lock() for _ in range(64)]
 
 
 class ArenaIndex:
-    def __init__(self, config: ArenaConfig, name: str, events: EventLog | None = None) -> None:
+    def __init__(self, config: ArenaConfig, name: str, events: EventLog | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.arena = Arena(name, config.num_slots, config.slot_bytes, prefault=config.prefault)
-        self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, config.num_slots)
+        self.clock = clock
+        self.policy: EvictionPolicy[Hashable] = make_eviction(config.eviction, config.num_slots,
+                                                              clock)
         self.entries: dict[ChunkKey, Entry] = {}
         self.events = events
 
     def get(self, key: ChunkKey) -> Entry | None:
         return self.entries.get(key)
 
-    def take(self, key: ChunkKey, where: Where, priority: int) -> Entry | None:
+    def take(self, key: ChunkKey, where: Where, priority: int,
+             until: float | None = None) -> Entry | None:
         """A free slot for ``key`` (not yet in the arena), or ``None`` when none is free."""
         if key in self.entries:
             raise IntegrityError(f"chunk {key.hex()[:16]} already holds a slot")
         slot = self.arena.alloc()
         if slot is None:
             return None
-        entry = Entry(key, slot, where, priority)
+        entry = Entry(key, slot, where, priority, until)
         self.entries[key] = entry
         return entry
 
     def join_order(self, entry: Entry) -> None:
         """Track ``entry`` in the eviction order (a promotion joins it at lease time)."""
-        self.policy.insert(entry.key, entry.priority)
+        self.policy.insert(entry.key, entry.priority, until=entry.until)
 
     def publish(self, entry: Entry, parent: ChunkKey | None = None) -> None:
         """The slot's payload is complete: the chunk is servable (and evictable). ``parent``:
         the chunk before it in its prefix chain, when the caller knows it (policy hint)."""
         if entry.key not in self.policy:
             # first: it may raise, publish not
-            self.policy.insert(entry.key, entry.priority, parent)
+            self.policy.insert(entry.key, entry.priority, parent, entry.until)
         self.arena.publish(entry.slot)
         entry.where = Where.READY
         if self.events is not None:
@@ -123,7 +128,7 @@ class ArenaIndex:
                 return True
             try:
                 seal(view, entry.namespace_fp, entry.key, entry.tokens, entry.payload_len,
-                     entry.priority, keyring)
+                     self.lasting_priority(entry), keyring)
             except Exception:  # a bad field must fail this write, not strand the entry
                 log.exception("cannot seal chunk %s", entry.key.hex()[:16])
                 return False
@@ -157,11 +162,26 @@ class ArenaIndex:
     def touch(self, key: ChunkKey) -> None:
         self.policy.touch(key)  # a demoting chunk is not in the order: the use is not kept
 
-    def set_priority(self, key: ChunkKey, priority: int) -> None:
-        entry = self.entries.get(key)
-        if entry is not None:
-            entry.priority = priority
-            self.policy.set_priority(key, priority)
+    def set_priorities(self, keys: Sequence[ChunkKey], priority: int,
+                       until: float | None = None) -> None:
+        """Re-prioritise the chunks of ``keys`` held here (a prefix chain, head first) until
+        ``until``; the chain keeps its order (:meth:`EvictionPolicy.set_priorities`)."""
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.priority, entry.until = priority, until
+        self.policy.set_priorities(keys, priority, until)
+
+    def retention(self, entry: Entry) -> tuple[int, float | None]:
+        """``entry``'s priority now (the default past its deadline) and its deadline: what
+        a copy below takes with it."""
+        return effective(entry.priority, entry.until, self.clock())
+
+    def lasting_priority(self, entry: Entry) -> int:
+        """The priority a chunk's header keeps (read back by a listing after a restart):
+        a timed one is not kept past its time, so the header says the default."""
+        priority, until = self.retention(entry)
+        return DEFAULT_PRIORITY if until is not None else priority
 
     def ready(self) -> Iterator[Entry]:
         return (e for e in self.entries.values() if e.where is Where.READY)

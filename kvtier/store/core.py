@@ -50,7 +50,14 @@ from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError, InvalidRequest, TierError
 from kvtier.keys import ChunkKey
 from kvtier.metrics import StoreMetrics
-from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy, check_priority
+from kvtier.policies import (
+    DEFAULT_PRIORITY,
+    MIN_PRIORITY,
+    EvictionPolicy,
+    Retention,
+    check_duration,
+    check_priority,
+)
 from kvtier.store import views
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.breaker import BreakerState
@@ -114,7 +121,7 @@ class TieredStore:
         self.lock_cpu_max_s = self._lock.cpu_max_s
         self.events = EventLog()
         """What became servable in which tier, and what left (for engines' KV events)."""
-        self.index = ArenaIndex(config.arena, arena_name, self.events)
+        self.index = ArenaIndex(config.arena, arena_name, self.events, clock)
         try:
             self.tiers = [self._tier(i) for i in range(len(config.tiers))]
         except BaseException:
@@ -286,21 +293,25 @@ class TieredStore:
 
     def reserve(self, owner: int, namespace_fp: bytes, keys: Sequence[ChunkKey], *,
                 payload_len: int, tokens: int, priority: int = DEFAULT_PRIORITY,
-                first_index: int = 0) -> list[int | None]:
+                first_index: int = 0, retain_s: float | None = None) -> list[int | None]:
         """A slot for each key to write its payload into; ``None`` means skip that chunk
-        (already stored or being stored, or no room).
+        (already stored or being stored, or no room). The chunks are kept at ``priority``
+        for ``retain_s`` seconds (``None``: until changed), then at the default.
 
         Raises InvalidRequest when the payload cannot fit a slot or a value is out of range.
         """
         check_reserve(namespace_fp, keys, payload_len, tokens, priority, first_index,
                       self.index.arena.slot_bytes)
-        deadline = self.clock() + self.config.lease_ttl_s
+        retention = _retention(priority, retain_s)
+        now = self.clock()
+        deadline = now + self.config.lease_ttl_s
+        until = retention.until(now)
         slots: list[int | None] = []
         with self._locked("reserve"):
             try:
                 for i, key in enumerate(keys):
                     slots.append(self._reserve_one(owner, key, deadline, namespace_fp,
-                                                   tokens, payload_len, priority,
+                                                   tokens, payload_len, (priority, until),
                                                    (first_index + i + 1) * tokens))
             except BaseException:
                 for key, slot in zip(keys, slots, strict=False):  # all or nothing
@@ -310,8 +321,8 @@ class TieredStore:
         return slots
 
     def _reserve_one(self, owner: int, key: ChunkKey, deadline: float, namespace_fp: bytes,
-                     tokens: int, payload_len: int, priority: int, prefix_tokens: int
-                     ) -> int | None:
+                     tokens: int, payload_len: int, retention: tuple[int, float | None],
+                     prefix_tokens: int) -> int | None:
         record_use(self.tiers, key)
         entry = self.index.get(key)
         if entry is not None:
@@ -320,8 +331,9 @@ class TieredStore:
                 self.writes.through(entry)
             self.metrics.store_refusals.labels("present").inc()
             return None
-        below = [p for s in self.tiers if (p := s.policy.priority(key)) is not None]
-        entry = self.writes.take(key, Where.RESERVED, max([priority, *below]))
+        below = [r for s in self.tiers if (r := s.policy.retention(key)) is not None]
+        priority, until = max([retention, *below], key=_lasting)
+        entry = self.writes.take(key, Where.RESERVED, priority, until)
         if entry is None:
             self.metrics.store_refusals.labels("arena_full").inc()
             return None
@@ -371,17 +383,21 @@ class TieredStore:
         self.index.drop(self.index.entries[key])
         return True
 
-    def set_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
+    def set_priority(self, keys: Sequence[ChunkKey], priority: int,
+                     retain_s: float | None = None) -> None:
+        """Move the held chunks of ``keys`` (a prefix, head first) to ``priority`` in every
+        tier, for ``retain_s`` seconds (``None``: until changed), tail first, so that the
+        chain still leaves tail first. A release is priority 0."""
         check_keys(keys)
-        try:
-            check_priority(priority)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        with self._locked("set_priority"):
-            for key in keys:
-                self.index.set_priority(key, priority)
-                for state in self.tiers:
-                    state.set_priority(key, priority)
+        retention = _retention(priority, retain_s)
+        with self._locked("set_priority"):  # tail first: the chain keeps its order
+            until = retention.until(self.clock())
+            self.index.set_priorities(keys, priority, until)
+            for state in self.tiers:
+                state.set_priorities(keys, priority, until)
+        if priority == MIN_PRIORITY:
+            self.metrics.retention_releases.inc(len(keys))
+        self._set_gauges()
 
     # ------------------------------------------------------------------ two-phase load
 
@@ -392,9 +408,17 @@ class TieredStore:
         deadline = self.clock() + self.config.lease_ttl_s
         with self._locked("lease"):
             record = self.loads.lease(owner, self._prefix(keys), deadline)
-        for item in record.items:
+            retained = [self._retained(item.key) for item in record.items]
+        for item, kept in zip(record.items, retained, strict=True):
             self.metrics.hits.labels(item.tier).inc()
+            self.metrics.retained_hits.labels(item.tier, kept).inc()
         return record
+
+    def _retained(self, key: ChunkKey) -> str:
+        """``yes`` if the leased chunk is held above the default priority now (lock held)."""
+        entry = self.index.get(key)
+        held = entry is not None and self.index.retention(entry)[0] > DEFAULT_PRIORITY
+        return "yes" if held else "no"
 
     def wait(self, lease_id: int, timeout_s: float, owner: int | None = None) -> LeaseRecord:
         """Block until the lease has no pending chunk or the timeout passes.
@@ -548,3 +572,18 @@ class TieredStore:
 
     def _set_gauges(self) -> None:
         views.set_gauges(self.index, self.tiers, self.metrics, self.clock(), self.lock_max_s)
+
+
+def _retention(priority: int, retain_s: float | None) -> Retention:
+    """A request's retention, or InvalidRequest naming the bad value and what is allowed."""
+    try:
+        return Retention(check_priority(priority), check_duration(retain_s))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def _lasting(retention: tuple[int, float | None]) -> tuple[int, float]:
+    """Order of retentions for one chunk held in several tiers: the higher priority, then
+    the later deadline (none is latest)."""
+    priority, until = retention
+    return priority, float("inf") if until is None else until

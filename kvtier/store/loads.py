@@ -105,9 +105,8 @@ class Loads:
             assert entry.reading is not None
             return LeaseItem(key, entry.slot, entry.reading, ItemState.PENDING)
         state = self.tiers_by_name[tier]
-        priority = state.policy.priority(key)
-        entry = self.writes.take(key, Where.PROMOTING,
-                                 DEFAULT_PRIORITY if priority is None else priority)
+        priority, until = state.policy.retention(key) or (DEFAULT_PRIORITY, None)
+        entry = self.writes.take(key, Where.PROMOTING, priority, until)
         if entry is None:
             self.metrics.store_refusals.labels("arena_full_promote").inc()
             return None

@@ -28,7 +28,7 @@ what it must not echo (:mod:`kvtier.store.changes`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
@@ -67,7 +67,7 @@ class LowerTierState:
             self.name, config.capacity_bytes, config.eviction,
             max(1, config.capacity_bytes // max(1, chunk_bytes_hint)), config.admission,
             write_back=self.write_back, fits_slot=self.tier.footprint(chunk_bytes_hint),
-            available=self.breaker.allows)
+            available=self.breaker.allows, clock=clock)
         """Placement: what the tier holds, its eviction order and admission rules."""
         self.namespaces: dict[ChunkKey, bytes] = {}
         """The namespace of each held chunk (shared tiers file chunks under it)."""
@@ -198,17 +198,19 @@ class LowerTierState:
         """A use of a held chunk (a lease here, a peer's hit): later in the eviction order."""
         self.books.touch(key)
 
-    def set_priority(self, key: ChunkKey, priority: int) -> None:
-        self.books.set_priority(key, priority)
+    def set_priorities(self, keys: Sequence[ChunkKey], priority: int,
+                       until: float | None = None) -> None:
+        self.books.set_priorities(keys, priority, until)
 
     def release(self, promised: int) -> None:
         """A write promised ``promised`` bytes by :meth:`make_room` stored nothing."""
         self.books.release(promised)
 
     def stored(self, key: ChunkKey, size: int, promised: int, priority: int,
-               namespace: bytes) -> None:
-        """This server's write of ``key`` finished: in the books (announced as added here)."""
-        self._add(key, size, promised, priority, namespace, Origin.HERE)
+               namespace: bytes, until: float | None = None) -> None:
+        """This server's write of ``key`` finished: in the books (announced as added here),
+        at ``priority`` until ``until`` (the arena copy's retention)."""
+        self._add(key, size, promised, priority, namespace, Origin.HERE, until)
 
     def mark_deleting(self, key: ChunkKey) -> None:
         """A delete of ``key`` (already out of the books) is queued: no write until it ran."""
@@ -255,12 +257,12 @@ class LowerTierState:
         self.rescan = True
 
     def _add(self, key: ChunkKey, size: int, promised: int, priority: int,
-             namespace: bytes, origin: Origin) -> None:
+             namespace: bytes, origin: Origin, until: float | None = None) -> None:
         """Account ``key`` and make it evictable (one held already, e.g. found by a listing
         meanwhile, is removed first and added again as new)."""
         if key in self.books:
             self.forget(key, origin=origin)
-        self.books.add(key, size, promised, priority)
+        self.books.add(key, size, promised, priority, until=until)
         self.namespaces[key] = self._interned.setdefault(namespace, namespace)
         self._announce(Change.ADDED, origin, key, namespace, size)
 

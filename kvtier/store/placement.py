@@ -52,12 +52,14 @@ class TierBooks:
     def __init__(self, name: str, capacity: int, eviction: str, entries: int,
                  admission: Sequence[tuple[str, int]] = (), *, write_back: bool = False,
                  fits_slot: int | None = None,
-                 available: Callable[[], bool] | None = None) -> None:
+                 available: Callable[[], bool] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.name = name
         self.write_back = write_back
         self.capacity = capacity
         """Bytes (chunks, for the simulator) the tier may hold, copies under way included."""
-        self.policy: EvictionPolicy[Hashable] = make_eviction(eviction, entries)
+        self.policy: EvictionPolicy[Hashable] = make_eviction(eviction, entries, clock)
+        """The eviction order; retention deadlines are read against ``clock``."""
         self.admission: list[AdmissionPolicy] = make_admission(admission)
         self.counts_uses = any(type(r).record is not AdmissionPolicy.record
                                for r in self.admission)
@@ -134,15 +136,17 @@ class TierBooks:
         self.reserved -= promised
 
     def add(self, key: Hashable, size: int, promised: int = 0,
-            priority: int = DEFAULT_PRIORITY, parent: Hashable | None = None) -> None:
+            priority: int = DEFAULT_PRIORITY, parent: Hashable | None = None,
+            until: float | None = None) -> None:
         """A copy of ``key`` landed (``promised``: what :meth:`make_room` promised it);
-        ``parent`` is the chunk before it in its chain (a policy hint). A key held already
-        (indexed meanwhile, e.g. by a listing) is re-added as new."""
+        ``parent`` is the chunk before it in its chain (a policy hint); ``until``: when
+        ``priority`` falls back to the default. A key held already (indexed meanwhile, e.g.
+        by a listing) is re-added as new."""
         self.reserved -= promised
         self.forget(key)
         self.sizes[key] = size
         self.used += size
-        self.policy.insert(key, priority, parent)
+        self.policy.insert(key, priority, parent, until)
 
     def forget(self, key: Hashable) -> bool:
         """Drop ``key`` from the books (deleted, lost); False if it was not held."""
@@ -156,8 +160,11 @@ class TierBooks:
     def touch(self, key: Hashable) -> None:
         self.policy.touch(key)
 
-    def set_priority(self, key: Hashable, priority: int) -> None:
-        self.policy.set_priority(key, priority)
+    def set_priorities(self, keys: Sequence[Hashable], priority: int,
+                       until: float | None = None) -> None:
+        """Re-prioritise a prefix chain's held chunks (head first) until ``until``, keeping
+        its order."""
+        self.policy.set_priorities(keys, priority, until)
 
     def mark_deleting(self, key: Hashable) -> None:
         self.deleting.add(key)

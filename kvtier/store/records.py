@@ -31,6 +31,8 @@ class Entry:
     slot: int
     where: Where
     priority: int
+    until: float | None = None
+    """When ``priority`` falls back to the default (the store's clock); ``None``: never."""
     namespace_fp: bytes = b""
     tokens: int = 0
     payload_len: int = 0

@@ -6,9 +6,10 @@ it must).
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Hashable, Sized
 from typing import TYPE_CHECKING
 
+from kvtier.policies import EvictionPolicy
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.lower import LowerTierState
 
@@ -55,5 +56,33 @@ def set_gauges(index: ArenaIndex, tiers: list[LowerTierState], metrics: StoreMet
         m.chunks.labels(s.name).set(len(s.sizes))
         m.breaker_state.labels(s.name).set(int(s.breaker.state))
         m.read_estimate.labels(s.name).set(s.reads.chunk_s(now) or 0.0)
+    retention_gauges(m, ARENA, index.policy, a.slot_bytes)
+    for s in tiers:
+        retention_gauges(m, s.name, s.policy, s.used // max(1, len(s.sizes)))
     for section, held in list(lock_max_s.items()):
         m.lock_hold_max.labels(section).set(held)
+
+
+BANDS = ((0, 34, "0-34"), (35, 35, "35"), (36, 79, "36-79"), (80, 100, "80-100"))
+"""Retention priority bands of the retained-chunk gauges."""
+
+
+def band_of(priority: int) -> str:
+    return next(name for low, high, name in BANDS if low <= priority <= high)
+
+
+def retention_gauges(m: StoreMetrics, tier: str, policy: EvictionPolicy[Hashable],
+                     chunk_bytes: int) -> None:
+    """Chunks and bytes per priority band, and the expiries since the last call: O(the
+    priorities in use), never a walk over the chunks."""
+    chunks = dict.fromkeys((name for _, _, name in BANDS), 0)
+    for priority, n in policy.count_by_priority().items():
+        chunks[band_of(priority)] += n
+    for name, n in chunks.items():
+        m.retained_chunks.labels(tier, name).set(n)
+        m.retained_bytes.labels(tier, name).set(n * chunk_bytes)
+    with m.retention_lock:
+        total, seen = policy.expired, m.expiries_seen.get(tier, 0)
+        if total > seen:
+            m.retention_expiries.labels(tier).inc(total - seen)
+            m.expiries_seen[tier] = total

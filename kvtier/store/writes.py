@@ -61,11 +61,12 @@ class Writes:
 
     # ------------------------------------------------------------------ room in the arena
 
-    def take(self, key: ChunkKey, where: Where, priority: int) -> Entry | None:
+    def take(self, key: ChunkKey, where: Where, priority: int,
+             until: float | None = None) -> Entry | None:
         """A slot for ``key``, evicting from the arena as needed; ``None``: no room now."""
         if not make_slot(self._slot_free, self.index.victim, self.evict):
             return None
-        return self.index.take(key, where, priority)
+        return self.index.take(key, where, priority, until)
 
     def _slot_free(self) -> bool:
         return self.index.free_slots > 0
@@ -112,7 +113,7 @@ class Writes:
         """The write-back (``back``) or write-through tiers a copy of ``entry`` goes to
         (:func:`~kvtier.store.placement.write_targets`); refusals are counted."""
         return write_targets([s for s in self.tiers if s.write_back == back], entry.key,
-                             lambda s: s.name in entry.writing, entry.priority,
+                             lambda s: s.name in entry.writing, self.index.retention(entry)[0],
                              entry.prefix_tokens, refused=self._refused)
 
     def _refused(self, state: LowerTierState, why: Refusal) -> None:
@@ -246,7 +247,8 @@ class Writes:
             if error:
                 self.metrics.io_errors.labels(state.name, "write").inc()
         else:
-            state.stored(entry.key, written, promised, entry.priority, entry.namespace_fp)
+            priority, until = self.index.retention(entry)
+            state.stored(entry.key, written, promised, priority, entry.namespace_fp, until)
             self.metrics.bytes.labels(state.name, "write").inc(written)
             self.metrics.io_seconds.labels(state.name, "write").observe(elapsed)
         if entry.demoting and not entry.writing:

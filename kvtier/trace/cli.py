@@ -8,16 +8,18 @@ a bad size) propagate as :class:`~kvtier.errors.KvtierError` for the top level t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.policies import EVICTION
+from kvtier.policies import EVICTION, check_priority
 from kvtier.trace.analyze import Analysis, analyze
 from kvtier.trace.formats import FORMATS, MOONCAKE_BLOCK_TOKENS, Trace, load_trace, write_mooncake
 from kvtier.trace.generate import GenConfig, generate
+from kvtier.trace.hints import HINT_PRIORITY, apply_hints
 from kvtier.trace.options import build_specs, parse_admission, parse_eviction, parse_tier
 from kvtier.trace.recommend import Recommendation, recommend
 from kvtier.trace.report import (
@@ -84,6 +86,12 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
                    help="share of the infinite-cache hit ratio to reach (default 0.9)")
     p.add_argument("--max-hit-loss", type=float, default=0.01,
                    help="hit ratio an admission rule may cost (default 0.01 = 1 point)")
+    p.add_argument("--hints", default="trace", metavar="SOURCE",
+                   help="retention hints: trace (its own fields), none, router:TTL (retain "
+                        "after tool calls for TTL s), continues:T (oracle: the session's next "
+                        "request within T s)")
+    p.add_argument("--hint-priority", type=int, default=HINT_PRIORITY,
+                   help=f"priority derived hints retain at (default {HINT_PRIORITY})")
     p.add_argument("--json", metavar="FILE", help="write results as JSON ('-': stdout)")
     p.set_defaults(func=run_simulate)
 
@@ -138,6 +146,12 @@ def _flat_hits(analysis: Analysis) -> dict[str, Any]:
 
 def run_simulate(args: argparse.Namespace) -> int:
     trace = load(args)
+    try:
+        priority = check_priority(args.hint_priority)
+    except ValueError as exc:
+        raise ConfigError(f"--hint-priority: {exc}") from exc
+    trace = dataclasses.replace(trace, requests=apply_hints(trace.requests, args.hints,
+                                                            priority))
     bpt = bytes_per_token(args)
     policies = _policies(args)
     tiers = args.tier or (["host=inf"] if args.sweep else [])

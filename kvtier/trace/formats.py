@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO, cast
 
 from kvtier.errors import KvtierError
+from kvtier.policies.retention import DEFAULT_PRIORITY, Retention
 
 BlockId = int | bytes
 Format = Literal["mooncake", "kvtier"]
@@ -44,6 +45,15 @@ class Request:
     output_tokens: int
     blocks: tuple[BlockId, ...]
     block_tokens: int
+    session: str | None = None
+    """The conversation or agent session it belongs to, when the trace says."""
+    retention: tuple[int, float | None] | None = None
+    """A hint: keep this prompt's blocks at this priority for this many seconds (``None``:
+    until changed); set when the request is answered, as the connector does."""
+    end: bool = False
+    """A hint: the session ends with this request (its prefix is released)."""
+    stop_reason: str | None = None
+    """Why the answer ended (``tool_calls``, ``stop``, ...), when the trace says."""
 
     @property
     def full_blocks(self) -> int:
@@ -181,7 +191,8 @@ def _mooncake(obj: dict[str, Any], block_tokens: int) -> Request:
             f"'hash_ids' has {len(ids)} ids but input_length {input_tokens} needs "
             f"ceil({input_tokens}/{block_tokens}) = {expected}"
         )
-    return Request(ts_ms / 1000.0, input_tokens, output_tokens, tuple(ids), block_tokens)
+    return Request(ts_ms / 1000.0, input_tokens, output_tokens, tuple(ids), block_tokens,
+                   *_hints(obj))
 
 
 def _access_log(obj: dict[str, Any]) -> Request:
@@ -206,7 +217,41 @@ def _access_log(obj: dict[str, Any]) -> Request:
     if not all(t is None or isinstance(t, str) for t in tiers):
         raise _Bad("field 'tiers' may hold only tier names or null")
     blocks = tuple(bytes.fromhex(k) for k in keys)
-    return Request(float(ts), prompt_tokens, 0, blocks, chunk_tokens)
+    return Request(float(ts), prompt_tokens, 0, blocks, chunk_tokens, *_hints(obj))
+
+
+MAX_NAME = 200
+
+
+def _hints(obj: dict[str, Any]) -> tuple[str | None, tuple[int, float | None] | None, bool,
+                                         str | None]:
+    """The optional hint fields of a record: ``session_id`` (a string or integer),
+    ``retention`` ({priority, duration_s}), ``end`` (true or false), ``stop_reason``."""
+    session = obj.get("session_id")
+    if session is not None:
+        if isinstance(session, bool) or not isinstance(session, str | int) or (
+                len(str(session)) > MAX_NAME):
+            raise _Bad(f"field 'session_id' must be a string or integer of at most {MAX_NAME} "
+                       f"characters, got {session!r:.60}")
+        session = str(session)
+    retention = obj.get("retention")
+    if retention is not None:
+        if not isinstance(retention, dict) or not retention.keys() <= {"priority", "duration_s"}:
+            raise _Bad("field 'retention' must be {\"priority\": 0-100, \"duration_s\": "
+                       f"seconds or null}}, got {retention!r:.60}")
+        try:
+            checked = Retention(retention.get("priority", DEFAULT_PRIORITY),
+                                retention.get("duration_s"))
+        except ValueError as exc:
+            raise _Bad(f"field 'retention': {exc}") from exc
+        retention = (checked.priority, checked.duration_s)
+    end = obj.get("end", False)
+    if not isinstance(end, bool):
+        raise _Bad(f"field 'end' must be true or false, got {end!r:.60}")
+    stop = obj.get("stop_reason")
+    if stop is not None and (not isinstance(stop, str) or len(stop) > MAX_NAME):
+        raise _Bad(f"field 'stop_reason' must be a string of at most {MAX_NAME} characters")
+    return session, retention, end, stop
 
 
 def _field(obj: dict[str, Any], name: str) -> Any:
@@ -243,6 +288,14 @@ def write_mooncake(requests: list[Request], stream: TextIO) -> None:
             "output_length": r.output_tokens,
             "hash_ids": list(r.blocks),
         }
+        if r.session is not None:
+            record["session_id"] = r.session
+        if r.retention is not None:
+            record["retention"] = {"priority": r.retention[0], "duration_s": r.retention[1]}
+        if r.end:
+            record["end"] = True
+        if r.stop_reason is not None:
+            record["stop_reason"] = r.stop_reason
         stream.write(json.dumps(record, separators=(", ", ": ")) + "\n")
 
 

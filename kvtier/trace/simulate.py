@@ -2,7 +2,8 @@
 
 Metadata only: a tier is the store's :class:`~kvtier.store.placement.TierBooks` (its eviction
 policy, which also serves as the host's index, admission rules, sizes), a capacity in chunks
-and a write policy. One trace block is one chunk of size 1 at the default priority (35). Every
+and a write policy. One trace block is one chunk of size 1, at the default priority (35)
+unless its request carries a retention hint (:mod:`kvtier.trace.hints`). Every
 decision (servable prefix, admission, write targets, victims, one victim per host slot, free
 ahead) is the placement core's, as in the store; this module only sequences the steps and
 lands each step's I/O when it ends. Per request with blocks ``b0 .. bn-1``, in the steps of
@@ -28,6 +29,15 @@ lands each step's I/O when it ends. Per request with blocks ``b0 .. bn-1``, in t
     room below a full lower tier evicts one victim at a time, never a chunk the lookup
                is promoting from it
 
+    hints      a request's retention (priority, seconds) is the store's ``reserve`` and
+               ``set_priority``: its stored blocks enter every tier at it, and once it is
+               answered its whole prompt is set to it again, tail first, the duration
+               counted from its arrival (a trace's clock); an end releases the prompt
+               (priority 0). Deadlines are read on the trace's clock. A promoted block
+               keeps the retention of the tier it came from, a stored one the higher of
+               the request's and a lower tier's, a copy down its host block's; a
+               write-back victim goes down at the default (the store: at its own).
+
 Tail first because a prefix is useful only from its head: within a step the head ends most
 recent and the tail leaves first. The store's lower-tier I/O runs on its threads after the
 step that started it; here it completes when that step ends. Until then a copy holds room in
@@ -51,7 +61,7 @@ from dataclasses import dataclass, field, replace
 
 from kvtier.config import ArenaConfig
 from kvtier.errors import ConfigError
-from kvtier.policies import DEFAULT_PRIORITY, EvictionPolicy
+from kvtier.policies import DEFAULT_PRIORITY, MIN_PRIORITY, EvictionPolicy
 from kvtier.store.placement import (
     TierBooks,
     free_ahead,
@@ -67,6 +77,9 @@ from kvtier.trace.hits import HitCounts
 from kvtier.trace.results import SimResult, TierResult, WritePolicy
 
 HOST = "host"
+Held = tuple[int, float | None]
+"""A chunk's retention: priority and deadline on the trace's clock (``None``: none)."""
+PLAIN: Held = (DEFAULT_PRIORITY, None)
 UNBOUNDED_POLICY_CAPACITY = 1 << 40
 """What an ``inf`` tier tells its policy: ghost lists sized from it never fill."""
 UNBOUNDED_CHUNKS = 1 << 62
@@ -106,16 +119,16 @@ class _Tier:
     hits: int = 0
     written: int = 0
     evictions: int = 0
-    writing: dict[Hashable, Hashable | None] = field(default_factory=dict)
-    """Copies the current operation started, in order, with each chunk's chain parent; they
-    land when it ends."""
+    writing: dict[Hashable, tuple[Hashable | None, Held]] = field(default_factory=dict)
+    """Copies the current operation started, in order, with each chunk's chain parent and
+    retention; they land when it ends."""
 
     @classmethod
-    def build(cls, spec: TierSpec) -> _Tier:
+    def build(cls, spec: TierSpec, clock: Callable[[], float] | None = None) -> _Tier:
         entries = spec.capacity if spec.capacity is not None else UNBOUNDED_POLICY_CAPACITY
         capacity = spec.capacity if spec.capacity is not None else UNBOUNDED_CHUNKS
         books = TierBooks(spec.name, capacity, spec.eviction, entries, spec.admission,
-                          write_back=spec.write == "back")
+                          write_back=spec.write == "back", clock=clock)
         return cls(spec, books)
 
     @property
@@ -158,7 +171,15 @@ class Simulator:
             raise ConfigError("tier names must be unique")
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
-        self.tiers = [_Tier.build(s) for s in specs]
+        self.now = 0.0
+        """The trace's clock: the arrival of the request being replayed."""
+        self.priority = DEFAULT_PRIORITY
+        self.until: float | None = None
+        """The retention blocks stored now enter at (the current request's hint)."""
+        self.hinted = False
+        """Some request carried a hint: retentions are looked up per chunk from then on
+        (an unhinted replay never pays for it)."""
+        self.tiers = [_Tier.build(s, self._clock) for s in specs]
         self.host = self.tiers[0]
         self.lower = self.tiers[1:]
         self.by_name = {t.spec.name: t for t in self.lower}
@@ -186,10 +207,36 @@ class Simulator:
 
     def request(self, request: Request) -> list[str]:
         """Replay one request; returns the tier that served each block of its prefix."""
+        self.now = request.ts_s
+        hinted = request.retention is not None or request.end
+        if hinted:
+            self.hinted = True
+            self._hint(request)
         served = self._load(request.blocks)
         self._store(request.blocks, len(served))
         self.counts.add(request, len(served))
+        if hinted:
+            self._answered(request)
         return served
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _hint(self, request: Request) -> None:
+        if request.retention is None:
+            return
+        priority, duration = request.retention
+        self.priority = priority
+        self.until = None if duration is None or priority == DEFAULT_PRIORITY else (
+            self.now + duration)
+
+    def _answered(self, request: Request) -> None:
+        """The store's ``set_priority`` once the request is answered: its whole prompt at
+        its retention (tail first), or released."""
+        priority, until = (MIN_PRIORITY, None) if request.end else (self.priority, self.until)
+        for tier in self.tiers:
+            tier.books.set_priorities(request.blocks, priority, until)
+        self.priority, self.until = DEFAULT_PRIORITY, None
 
     def _servable(self, block: Hashable) -> str | None:
         """The store's predicate with every step's I/O landed: host, else a lower tier."""
@@ -228,7 +275,8 @@ class Simulator:
             else:
                 source.books.touch(block)
                 source.hits += 1
-                self._put_host(blocks, j)
+                held = source.books.policy.retention(block) if self.hinted else None
+                self._put_host(blocks, j, held or PLAIN)  # a promotion keeps its own
                 served[j] = source.spec.name
         self._complete_io()
         return served
@@ -253,7 +301,7 @@ class Simulator:
         self._complete_io()
         lease = _Lease()  # the reserve's copies have landed
         for j in reversed(pending):  # commit inserts tail first
-            self._put_host(blocks, j)
+            self._put_host(blocks, j, self._entering(blocks[j]))
             self._write_through(blocks, j, lease)
         self._free_ahead(lease)
         self._complete_io()
@@ -265,15 +313,17 @@ class Simulator:
             return False
         started = False
         block = blocks[index]
-        for tier in self._targets(self.through, block, index):
-            if self._insert(tier, block, _parent(blocks, index), lease):
+        held = (self.host.books.policy.retention(block) or PLAIN) if self.hinted else PLAIN
+        for tier in self._targets(self.through, block, index, held[0]):
+            if self._insert(tier, block, _parent(blocks, index), lease, held):
                 lease.held.add(block)  # its slot is being read: the store pins it
                 started = True
         return started
 
-    def _targets(self, tiers: list[_Tier], block: Hashable, index: int) -> list[_Tier]:
+    def _targets(self, tiers: list[_Tier], block: Hashable, index: int,
+                 priority: int = DEFAULT_PRIORITY) -> list[_Tier]:
         rule_key = admission_key(block) if self.rules else None
-        return write_targets(tiers, block, lambda t: block in t.writing, DEFAULT_PRIORITY,
+        return write_targets(tiers, block, lambda t: block in t.writing, priority,
                              (index + 1) * self.block_tokens, rule_key)
 
     def _complete_io(self) -> None:
@@ -283,8 +333,8 @@ class Simulator:
         for tier in self.lower:
             books = tier.books
             if tier.writing:
-                for block, parent in tier.writing.items():
-                    books.add(block, 1, 1, DEFAULT_PRIORITY, parent)
+                for block, (parent, (priority, until)) in tier.writing.items():
+                    books.add(block, 1, 1, priority, parent, until)
                 tier.writing.clear()
             for block in list(books.deleting):
                 books.clear_deleting(block)
@@ -295,15 +345,27 @@ class Simulator:
                 del self._depth[block]
         self._demoting.clear()
 
-    def _put_host(self, blocks: tuple[BlockId, ...], index: int) -> None:
+    def _entering(self, block: Hashable) -> Held:
+        """The retention a stored block enters host at: the request's, or a higher one a
+        lower tier holds it at (the store's ``reserve``)."""
+        held = (self.priority, self.until)
+        if not self.hinted:
+            return held
+        for tier in self.lower:
+            below = tier.books.policy.retention(block)
+            if below is not None and _lasting(below) > _lasting(held):
+                held = below
+        return held
+
+    def _put_host(self, blocks: tuple[BlockId, ...], index: int, held: Held) -> None:
         block, parent = blocks[index], _parent(blocks, index)
-        self.host.books.policy.insert(block, DEFAULT_PRIORITY, parent)
+        self.host.books.policy.insert(block, held[0], parent, held[1])
         self.host.written += 1
         if self.back:
             self._depth[block] = (index, parent)
 
     def _insert(self, tier: _Tier, block: Hashable, parent: Hashable | None,
-                lease: _Lease) -> bool:
+                lease: _Lease, held: Held = PLAIN) -> bool:
         """Start a copy of ``block`` to lower ``tier`` if room can be made for it (never
         evicting a chunk the lease promotes from it)."""
         reading = lease.reading
@@ -313,7 +375,7 @@ class Simulator:
         for victim in victims:  # its delete runs when the step ends
             tier.books.mark_deleting(victim)
         tier.evictions += len(victims)
-        tier.writing[block] = parent
+        tier.writing[block] = (parent, held)
         tier.written += 1
         return True
 
@@ -393,6 +455,11 @@ class Simulator:
             evictions=tier.evictions,
             unreachable=tier.books.policy.unreachable(self._held),
         )
+
+
+def _lasting(held: Held) -> tuple[int, float]:
+    """The store's order of retentions: higher priority, then later deadline (none last)."""
+    return held[0], float("inf") if held[1] is None else held[1]
 
 
 def _parent(blocks: tuple[BlockId, ...], index: int) -> BlockId | None:

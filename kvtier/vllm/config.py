@@ -31,6 +31,7 @@ import msgspec
 from kvtier.codec import HEADER_SIZE, align_up
 from kvtier.config import ConfigStruct, ServerConfig, parse
 from kvtier.errors import ConfigError
+from kvtier.hints import RetentionHint
 
 _PLACEHOLDER_SLOT = HEADER_SIZE + 4096
 log = logging.getLogger("kvtier.vllm")
@@ -125,10 +126,20 @@ class RequestOptions(ConfigStruct, frozen=True):
     priority: int | None = None
     load: bool = True
     store: bool = True
+    retention: RetentionHint | None = None
+    """Priority and duration for the prompt or token ranges of it (:mod:`kvtier.hints`)."""
+    release: bool = False
+    """The prefix is done: its chunks drop to priority 0 when the request finishes."""
 
     def __post_init__(self) -> None:
         if self.priority is not None and not 0 <= self.priority <= 100:
             raise ConfigError(f"priority must be in [0, 100], got {self.priority}")
+        if self.release and self.retention is not None:
+            raise ConfigError("release and retention exclude each other: a released prefix "
+                              "is kept at priority 0")
+        if (self.priority is not None and self.retention is not None
+                and self.retention.priority is not None):
+            raise ConfigError("priority and retention.priority both set: give one")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> RequestOptions:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.hints import RELEASED, ChunkRetention, chunk_retentions, runs
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.protocol import (
     Abort,
@@ -320,6 +321,14 @@ class SchedulerSide:
 
     def _reserve(self, st: ReqState, start: int, end: int, block_ids: list[int]
                  ) -> list[StoreJob]:
+        """Reserve chunks [start, end): one call per run of equal retention."""
+        jobs: list[StoreJob] = []
+        for lo, hi, retention in runs(self._retentions(st), start, end):
+            jobs += self._reserve_run(st, lo, hi, block_ids, retention)
+        return jobs
+
+    def _reserve_run(self, st: ReqState, start: int, end: int, block_ids: list[int],
+                     retention: ChunkRetention) -> list[StoreJob]:
         if end <= start:
             return []
         keys = self._keys(st)[start:end]
@@ -328,8 +337,9 @@ class SchedulerSide:
         # If the reply is lost, abort what it may have reserved (not other requests' stores).
         mine = [k for k in keys if k not in self._pending]
         undo = Abort(mine) if mine else None
+        priority, retain_s = retention
         reply = self.link.call(Reserve(self.ns.fingerprint, keys, self.layout.payload_len,
-                                       self.chunk_tokens, self._priority(st), start), None,
+                                       self.chunk_tokens, priority, start, retain_s), None,
                                undo=undo)
         slots = reply.slots if reply is not None else [None] * len(keys)
         granted = [(start + i, k, s) for i, (k, s) in enumerate(zip(keys, slots, strict=True))
@@ -422,9 +432,7 @@ class SchedulerSide:
             st.load.cancelled = True  # the worker must still report it (vLLM holds blocks)
         if st.load is None:
             del self._reqs[req_id]
-        options = st.info.options
-        if options.priority is not None and st.keys:
-            self.link.call(SetPriority(st.keys, options.priority), None)
+        self._retain_at_finish(st)
         # A report is a round trip to the node server inside vLLM's scheduler loop. An
         # engine that still runs other requests keeps stepping, and the periodic report
         # carries this one's counters within REPORT_EVERY_S; only one about to go idle
@@ -472,6 +480,27 @@ class SchedulerSide:
     def _priority(self, st: ReqState) -> int:
         p = st.info.options.priority
         return self.cfg.priority if p is None else p
+
+    def _retentions(self, st: ReqState) -> list[ChunkRetention]:
+        """The retention of each chunk of the request's prompt (its hint, else its
+        priority, else the connector's)."""
+        keys = self._keys(st)
+        return chunk_retentions(st.info.options.retention, len(keys), self.chunk_tokens,
+                                len(st.info.tokens), (self._priority(st), None))
+
+    def _retain_at_finish(self, st: ReqState) -> None:
+        """What the request asked for its prefix once it is answered: a release drops it to
+        priority 0; a retention (or priority) is set again, its durations counted from now
+        (the gap before the next turn). Runs from the tail, so the chain keeps its order."""
+        options = st.info.options
+        if not st.keys or (options.priority is None and options.retention is None
+                           and not options.release):
+            return
+        if options.release:
+            self.link.call(SetPriority(st.keys, RELEASED[0]), None)
+            return
+        for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st))):
+            self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s), None)
 
 
 def _runs_outside(start: int, end: int, skip: set[int]) -> list[tuple[int, int]]:

@@ -154,6 +154,20 @@ def test_set_priority_moves_a_key(name: str) -> None:
     assert policy.evict(1) == ["c"]
 
 
+@pytest.mark.parametrize("hinted", [False, True], ids=["no-parents", "parents"])
+def test_a_reprioritised_chain_still_leaves_tail_first(name: str, hinted: bool) -> None:
+    """A request re-prioritises its prefix head first; the tail must still leave first (a
+    head that leaves first makes the rest of its chain unreachable)."""
+    policy = make_eviction(name, CAPACITY)
+    chain = ["a", "b", "c", "d"]
+    for i in reversed(range(len(chain))):  # stored as a commit stores it: tail first
+        policy.insert(chain[i], parent=chain[i - 1] if hinted and i else None)
+    policy.insert("other")
+    policy.set_priorities(chain, 80)
+    assert policy.evict(1) == ["other"]
+    assert policy.evict(4) == ["d", "c", "b", "a"]
+
+
 def test_an_evicted_key_can_be_stored_again(name: str) -> None:
     policy = filled(name, ["a", "b"])
     victims = policy.evict(2)

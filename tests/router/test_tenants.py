@@ -132,6 +132,41 @@ def test_priority_is_capped_and_bad_values_are_refused(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_retention_priorities_are_capped_and_bad_retentions_refused(tmp_path: Path) -> None:
+    """Bob (cap 10) asks for a retention at 90 for his prompt, a range and decode: each is
+    lowered to 10 before the backend sees it; a bad duration or range never reaches it."""
+    tenants = load_tenants(str(tenants_file(tmp_path)), None, None)
+
+    async def main() -> None:
+        async with stubs(1) as backends, running_router(router_config(
+                backends, tenants=tenants)) as router, aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+
+            def asking(kvtier: dict[str, Any]) -> dict[str, Any]:
+                return completion(kv_transfer_params={"kvtier": kvtier})
+            retention = {"priority": 90, "duration_s": 30, "decode_priority": 90,
+                         "ranges": [{"start": 0, "end": 64, "priority": 90}]}
+            status, _doc, _ = await post(s, url, asking({"retention": retention}), auth(KEY_B))
+            assert status == 200
+            sent = backends[0].seen[-1]["body"]["kv_transfer_params"]["kvtier"]["retention"]
+            assert sent == {"priority": 10, "duration_s": 30, "decode_priority": 10,
+                            "ranges": [{"start": 0, "end": 64, "priority": 10}]}
+            status, _doc, _ = await post(s, url, asking({"release": True}), auth(KEY_B))
+            assert status == 200
+            seen = len(backends[0].seen)
+            for bad, key in (({"retention": {"priority": 50, "duration_s": 0}}, "duration_s"),
+                             ({"retention": {"priority": 50, "duration_s": 1e9}}, "duration_s"),
+                             ({"retention": {"ranges": [{"start": 9, "end": 3,
+                                                         "priority": 5}]}}, "end"),
+                             ({"retention": {"ranges": [{"priority": "high"}]}}, "priority"),
+                             ({"retention": {"priority": 5}, "release": True}, "release"),
+                             ({"release": "yes"}, "release")):
+                status, doc, _ = await post(s, url, asking(bad), auth(KEY_B))
+                assert status == 400 and key in doc["error"]["message"], bad
+            assert len(backends[0].seen) == seen, "refused bodies never reach a backend"
+    asyncio.run(main())
+
+
 def test_tier_details_are_stripped_from_streams_for_tenants_not_allowed(
         tmp_path: Path) -> None:
     tenants = load_tenants(str(tenants_file(tmp_path)), None, None)

@@ -88,6 +88,12 @@ def test_bad_requests_are_rejected_and_nothing_stored_is_lost(
         (lambda: client.reserve(NS, keys(1, "new"), payload_len=PAYLOAD, tokens=TOKENS,
                                 priority=101), "priority: expected int <= 100"),
         (lambda: client.set_priority(k, 101), "priority: expected int <= 100"),
+        (lambda: client.set_priority(k, 80, retain_s=0), r"retain_s: expected float > 0.0"),
+        (lambda: client.set_priority(k, 80, retain_s=float("nan")),
+         r"retain_s: expected float > 0.0"),
+        (lambda: client.set_priority(k, 80, retain_s=1e9), r"retain_s: expected float <= 86400"),
+        (lambda: client.reserve(NS, keys(1, "new"), payload_len=PAYLOAD, tokens=TOKENS,
+                                priority=80, retain_s=-1.0), r"retain_s: expected float > 0.0"),
         (lambda: client.lease([k[0], k[1], k[0]]), r"keys\[2\] repeats keys\[0\]"),
         (lambda: client.lookup([k[1], k[1]]), r"keys\[1\] repeats keys\[0\]"),
         (lambda: client.commit([k[1], k[1]]), r"keys\[1\] repeats keys\[0\]"),
@@ -187,6 +193,20 @@ def test_wait_and_poll_follow_a_load_from_disk(make_server: MakeServer) -> None:
         client.release(lease.lease_id)
         assert client.lookup(k) == ["arena"]
     store.check_integrity()
+
+
+def test_a_timed_retention_travels_over_the_socket(make_server: MakeServer) -> None:
+    server = make_server(slots=4)
+    k = keys(2)
+    with KvtierClient(server.socket_path) as client:
+        client_store(client, k)
+        client.set_priority(k, 90, retain_s=45.0)
+        policy = store_of(server).index.policy
+        retention = policy.retention(k[0])
+        assert retention is not None and retention[0] == 90 and retention[1] is not None
+        assert policy.order()[-2:] == k[::-1]  # the head most recent: tail first still
+        client.set_priority(k, 0)  # a release
+        assert policy.order()[:2] == k[::-1] and policy.retention(k[0]) == (0, None)
 
 
 def test_set_priority_keeps_a_chunk_in_the_arena(make_server: MakeServer) -> None:

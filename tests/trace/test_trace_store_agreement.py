@@ -45,6 +45,7 @@ from kvtier.store.records import ItemState
 from kvtier.tiers.arena import shm_path
 from kvtier.trace.formats import Request
 from kvtier.trace.generate import GenConfig, generate
+from kvtier.trace.hints import apply_hints
 from kvtier.trace.simulate import HOST, Simulator, TierSpec, WritePolicy
 
 H, D = 12, 30
@@ -145,7 +146,18 @@ def stores() -> Iterator[list[TieredStore]]:
         assert not os.path.exists(shm_path(store.arena.name)), "arena left in /dev/shm"
 
 
-def build(root: Path, case: Case, eviction: str) -> TieredStore:
+class TraceClock:
+    """The store's clock in a hinted replay: the arrival of the request replayed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build(root: Path, case: Case, eviction: str, clock: TraceClock | None = None
+          ) -> TieredStore:
     """An arena of ``case.host`` slots over a disk tier of ``case.disk`` chunks."""
     disk = {"type": "disk", "name": "disk", "capacity_bytes": case.disk * CHUNK_BYTES,
             "eviction": eviction, "admission": dict(case.admission) or "always",
@@ -156,11 +168,18 @@ def build(root: Path, case: Case, eviction: str) -> TieredStore:
                   "free_target": case.free_target, "eviction": eviction},
         "tiers": [disk],
     })
-    return TieredStore(config, arena_name=arena_name())
+    if clock is None:
+        return TieredStore(config, arena_name=arena_name())
+    return TieredStore(config, arena_name=arena_name(), clock=clock)
 
 
 def store_request(store: TieredStore, request: Request) -> list[str]:
-    """One request as an engine makes it; returns the tier of each served block."""
+    """One request as an engine makes it (with its hint, as the connector sends it: the
+    retention at reserve, again or a release once answered); returns the tier of each
+    served block."""
+    if isinstance(store.clock, TraceClock):
+        store.clock.now = request.ts_s
+    priority, retain_s = request.retention or (35, None)
     keys = [key_of(b) for b in request.blocks]
     record = store.lease(1, keys)
     store.wait(record.lease_id, 10.0)
@@ -170,13 +189,17 @@ def store_request(store: TieredStore, request: Request) -> list[str]:
     store.release(record.lease_id)
     rest = keys[len(served):]
     slots = store.reserve(1, NS, rest, payload_len=PAYLOAD, tokens=TOKENS,
-                          first_index=len(served))
+                          first_index=len(served), priority=priority, retain_s=retain_s)
     assert store.flush()
     for key, slot in zip(rest, slots, strict=True):
         if slot is not None:
             store.arena.array[slot, HEADER_SIZE : HEADER_SIZE + PAYLOAD] = pattern(key)
     store.commit([key for key, slot in zip(rest, slots, strict=True) if slot is not None])
     assert store.flush()
+    if request.end:
+        store.set_priority(keys, 0)
+    elif request.retention is not None:
+        store.set_priority(keys, priority, retain_s)
     return served
 
 
@@ -203,10 +226,11 @@ def first_difference(sim: list[list[str]], live: list[list[str]]) -> str:
     return ""
 
 
-def replay_both(root: Path, stores: list[TieredStore], case: Case, eviction: str) -> Replay:
+def replay_both(root: Path, stores: list[TieredStore], case: Case, eviction: str,
+                clock: TraceClock | None = None) -> Replay:
     """Replay ``case`` through both; assert they agree and return the simulator's replay."""
     sim = simulator_replay(case, eviction)
-    store = build(root, case, eviction)
+    store = build(root, case, eviction, clock)
     stores.append(store)
     live = store_replay(store, case.requests)
     assert first_difference(sim.served, live.served) == ""
@@ -235,3 +259,18 @@ def test_simulator_and_store_agree_on_the_hand_worked_scenarios(
     tmp_path: Path, stores: list[TieredStore], eviction: str, name: str
 ) -> None:
     replay_both(tmp_path, stores, SCENARIOS[name], eviction)
+
+
+@pytest.mark.parametrize("hints", ["continues:40", "continues:inf"])
+@pytest.mark.parametrize("eviction", ["lru", "arc", "s3fifo"])
+def test_simulator_and_store_agree_on_retention_hints(
+    tmp_path: Path, stores: list[TieredStore], eviction: str, hints: str
+) -> None:
+    """The same oracle hints through the simulator and through the store's reserve and
+    set_priority (retentions that expire on the trace's clock, releases): the same hits
+    and the same orders, so what a replay says hints buy is what the store delivers."""
+    requests = apply_hints(chat_trace(), hints)
+    assert {r.end for r in requests} == {True, False}
+    case = Case(requests, H, D, (), "through")
+    sim = replay_both(tmp_path, stores, case, eviction, TraceClock())
+    assert min(*sim.hits.values(), *sim.evictions.values()) > 50

@@ -16,6 +16,7 @@ from rig import BLOCK, CHUNK, FakeEngine, empty_step, step_for
 from store_helpers import disk_files, wait_until
 
 from kvtier.config import ServerConfig
+from kvtier.hints import RetentionHint, TokenRange
 from kvtier.keys import chunk_keys
 from kvtier.protocol import Report
 from kvtier.server import EmbeddedServer, NodeServer
@@ -276,6 +277,28 @@ def test_request_priority_reaches_the_stored_chunks(make_server: Any, engines: A
     assert [server.store.entries[k].priority for k in keys] == [90, 90, 90]
     stored_prompt(engine, priority=10)  # a later request lowers them: retention follows use
     assert [server.store.entries[k].priority for k in keys] == [10, 10, 10]
+
+
+def test_a_request_retention_reaches_each_range_and_a_release_drops_it(
+        make_server: Any, engines: Any) -> None:
+    """TensorRT-LLM's shape: the first chunk (a system prompt) kept at 90 for 60 s, the
+    rest of the prompt at 50 for 5 s; then a later request of the same prefix releases it."""
+    server = make_server(slots=16)
+    engine = engines(server)
+    hint = RetentionHint(priority=50, duration_s=5.0,
+                         ranges=(TokenRange(priority=90, start=0, end=CHUNK, duration_s=60.0),))
+    stored_prompt(engine, retention=hint)
+    keys = chunk_keys(engine.sched.ns.fingerprint, PROMPT, CHUNK)
+    store = server.store
+    assert store is not None
+    held = [store.index.policy.retention(k) for k in keys]
+    assert [r[0] for r in held if r] == [90, 50, 50]
+    deadlines = [r[1] for r in held if r]
+    assert all(d is not None for d in deadlines)
+    assert deadlines[0] - deadlines[1] == pytest.approx(55.0, abs=1.0)  # type: ignore[operator]
+    assert store.index.policy.order()[-3:] == keys[::-1]  # the head last: tail first
+    stored_prompt(engine, release=True)
+    assert [store.index.policy.retention(k) for k in keys] == [(0, None)] * 3
 
 
 def test_the_scheduler_side_registers_its_namespace_with_each_server_start(

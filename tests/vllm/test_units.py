@@ -46,6 +46,22 @@ def test_request_options_never_fail_a_request() -> None:
     assert not RequestOptions.from_params({"kvtier": {"load": False}}).load
 
 
+def test_request_retention_and_release_parse_or_fall_back_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    parsed = RequestOptions.from_params({"kvtier": {"retention": {
+        "priority": 80, "duration_s": 30, "ranges": [{"start": 0, "end": 512, "priority": 90}]}}})
+    assert parsed.retention is not None and parsed.retention.duration_s == 30.0
+    assert parsed.retention.ranges[0].end == 512
+    assert RequestOptions.from_params({"kvtier": {"release": True}}).release
+    for bad, said in (({"retention": {"priority": 80, "duration_s": -1}}, "duration_s"),
+                      ({"retention": {"priority": 80}, "release": True}, "exclude"),
+                      ({"priority": 50, "retention": {"priority": 80}}, "both set"),
+                      ({"release": 1}, "release")):
+        caplog.clear()
+        assert RequestOptions.from_params({"kvtier": bad}) == RequestOptions()
+        assert said in caplog.text, bad
+
+
 def test_stats_aggregate_and_reach_prometheus() -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 

@@ -1,0 +1,129 @@
+"""What a request may say about how long its KV is worth keeping (``kv_transfer_params.kvtier``).
+
+The shape is TensorRT-LLM's retention config, in seconds::
+
+    "kvtier": {
+      "retention": {
+        "priority": 80, "duration_s": 30,                 # the whole prompt
+        "ranges": [{"start": 0, "end": 4096, "priority": 90, "duration_s": 300}],
+        "decode_priority": 10, "decode_duration_s": 5     # chunks of generated tokens
+      },
+      "release": true                                     # or: the prefix is done
+    }
+
+Each chunk of the prompt takes the highest priority among the ranges that overlap its tokens
+(``end`` null: to the end of the prompt), else the whole-prompt retention, else the request's
+``priority``, else the connector's default. A duration makes the priority fall back to the
+default (35) that many seconds after it is set; none keeps it until changed. ``release``
+drops the prompt's chunks to priority 0 when the request finishes. Everything is checked
+here (the connector and the router parse the same way) and bounded: at most
+``MAX_RANGES`` ranges, priorities 0-100, durations in (0, ``MAX_RETAIN_S``] seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from kvtier.config import ConfigStruct, parse
+from kvtier.errors import ConfigError
+from kvtier.policies.retention import MAX_RETAIN_S, MIN_PRIORITY
+
+MAX_RANGES = 64
+"""Token ranges one request may give: enough for a system prompt, tools and turns."""
+
+Priority = Annotated[int, Meta(ge=0, le=100)]
+Duration = Annotated[float, Meta(gt=0.0, le=MAX_RETAIN_S)]
+Tokens = Annotated[int, Meta(ge=0, le=1 << 40)]
+ChunkRetention = tuple[int, float | None]
+"""A chunk's priority and duration in seconds (``None``: until changed)."""
+
+
+class TokenRange(ConfigStruct, frozen=True):
+    """Tokens ``[start, end)`` of the prompt (``end`` null: to its end) kept at ``priority``
+    for ``duration_s`` seconds."""
+
+    priority: Priority
+    start: Tokens = 0
+    end: Tokens | None = None
+    duration_s: Duration | None = None
+
+    def __post_init__(self) -> None:
+        if self.end is not None and self.end <= self.start:
+            raise ConfigError(f"end must be greater than start, got start {self.start}, "
+                              f"end {self.end}")
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        return self.start < hi and (self.end is None or lo < self.end)
+
+
+class RetentionHint(ConfigStruct, frozen=True):
+    """A request's retention: for the whole prompt, per token range, and for decode."""
+
+    priority: Priority | None = None
+    duration_s: Duration | None = None
+    ranges: Annotated[tuple[TokenRange, ...], Meta(max_length=MAX_RANGES)] = ()
+    decode_priority: Priority | None = None
+    decode_duration_s: Duration | None = None
+
+    def __post_init__(self) -> None:
+        if self.duration_s is not None and self.priority is None:
+            raise ConfigError("duration_s needs a priority (the priority it keeps that long)")
+        if self.decode_duration_s is not None and self.decode_priority is None:
+            raise ConfigError("decode_duration_s needs a decode_priority")
+
+    def of_chunk(self, lo: int, hi: int, prompt_tokens: int,
+                 default: ChunkRetention) -> ChunkRetention:
+        """The retention of the chunk of tokens ``[lo, hi)``: the highest-priority range
+        overlapping it (the longer duration among equals, none longest), else the whole
+        prompt's, else ``default``; a chunk past the prompt takes the decode retention."""
+        if lo >= prompt_tokens and self.decode_priority is not None:
+            return self.decode_priority, self.decode_duration_s
+        best: ChunkRetention | None = None
+        for r in self.ranges:
+            if r.overlaps(lo, hi) and (best is None or _rank(r.priority, r.duration_s)
+                                       > _rank(*best)):
+                best = (r.priority, r.duration_s)
+        if best is not None:
+            return best
+        if self.priority is not None:
+            return self.priority, self.duration_s
+        return default
+
+
+def _rank(priority: int, duration_s: float | None) -> tuple[int, float]:
+    return priority, float("inf") if duration_s is None else duration_s
+
+
+def parse_retention(raw: object, where: str = "kv_transfer_params.kvtier.retention"
+                    ) -> RetentionHint:
+    """A request's retention; raises ConfigError naming the key and what is allowed."""
+    return parse(RetentionHint, raw, where)
+
+
+def chunk_retentions(hint: RetentionHint | None, n_chunks: int, chunk_tokens: int,
+                     prompt_tokens: int, default: ChunkRetention) -> list[ChunkRetention]:
+    """The retention of each of the first ``n_chunks`` chunks of a prompt."""
+    if hint is None:
+        return [default] * n_chunks
+    return [hint.of_chunk(i * chunk_tokens, (i + 1) * chunk_tokens, prompt_tokens, default)
+            for i in range(n_chunks)]
+
+
+def runs(retentions: list[ChunkRetention], start: int = 0, end: int | None = None
+         ) -> list[tuple[int, int, ChunkRetention]]:
+    """Maximal runs ``(lo, hi, retention)`` of equal retention in ``retentions[start:end]``
+    (one store call each)."""
+    end = len(retentions) if end is None else end
+    out: list[tuple[int, int, ChunkRetention]] = []
+    lo = start
+    for i in range(start + 1, end + 1):
+        if i == end or retentions[i] != retentions[lo]:
+            out.append((lo, i, retentions[lo]))
+            lo = i
+    return out if start < end else []
+
+
+RELEASED: ChunkRetention = (MIN_PRIORITY, None)
+"""What ``release: true`` sets on the prompt's chunks when the request finishes."""

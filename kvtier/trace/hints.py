@@ -1,0 +1,118 @@
+"""Retention hints for a replay: the trace's own, none, or derived as a router or an oracle
+would derive them.
+
+A hint is what a request's ``kv_transfer_params.kvtier`` would carry (:mod:`kvtier.hints`):
+a retention (priority, seconds) for its prompt, or an end (release). ``kvtier trace
+simulate`` replays them through the store's placement core. Sources (``--hints``)::
+
+    trace              the trace's own fields (session_id, retention, end, stop_reason)
+    none               no hints: every block at the default priority
+    router:TTL         what the router knows: an answer that ended in tool calls is a session
+                       that continues within seconds (retain at PRIORITY for TTL s); any other
+                       (an end of turn) gets none; a session's explicit end releases
+    continues:T        an oracle: a request whose session's next request comes within T s
+                       is retained for T s; one whose session does not continue within T is
+                       released (what the bound "oracle-which" knows, delivered through the
+                       retention channel)
+
+A request's session is its ``session_id``; without one, the conversation it extends: the
+latest earlier request whose first blocks (at least ``MIN_SHARED``, the first being a
+shared system prompt) it starts with, as ``docs/results/eviction-bounds/bounds.py`` finds
+conversations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.policies.retention import MAX_RETAIN_S, check_duration
+from kvtier.trace.formats import Request
+
+HINT_PRIORITY = 80
+"""The priority derived hints retain at (TensorRT-LLM's scale: above the default 35)."""
+MIN_SHARED = 2
+"""Leading blocks a request must share with an earlier one to continue its conversation."""
+TOOL_STOPS = frozenset({"tool_calls", "tool_use", "function_call"})
+SOURCES = ("trace", "none", "router:TTL", "continues:T")
+
+
+def parse_source(text: str) -> tuple[str, float | None]:
+    """``--hints`` as (kind, seconds); ConfigError naming what is allowed otherwise."""
+    kind, _, arg = text.partition(":")
+    if kind in ("trace", "none") and not arg:
+        return kind, None
+    if kind in ("router", "continues") and arg:
+        try:
+            return kind, check_duration(_seconds(arg))
+        except ValueError as exc:
+            raise ConfigError(f"--hints {text}: {exc}") from exc
+    raise ConfigError(f"--hints: expected one of {', '.join(SOURCES)} (seconds in (0, "
+                      f"{MAX_RETAIN_S:g}] or 'inf' for the longest), got {text!r}")
+
+
+def _seconds(arg: str) -> float:
+    if arg in ("inf", "max"):
+        return MAX_RETAIN_S
+    try:
+        return float(arg.removesuffix("s"))
+    except ValueError as exc:
+        raise ValueError(f"duration_s must be a number of seconds, got {arg!r}") from exc
+
+
+def apply_hints(requests: Sequence[Request], source: str,
+                priority: int = HINT_PRIORITY) -> list[Request]:
+    """``requests`` with the hints of ``source`` (see the module docstring)."""
+    kind, seconds = parse_source(source)
+    if kind == "trace":
+        return list(requests)
+    if kind == "none":
+        return [dataclasses.replace(r, retention=None, end=False) for r in requests]
+    assert seconds is not None
+    if kind == "router":
+        return [_routed(r, priority, seconds) for r in requests]
+    after = next_in_session(requests)
+    out = []
+    for i, r in enumerate(requests):
+        j = after[i]
+        soon = j is not None and requests[j].ts_s - r.ts_s <= seconds
+        out.append(dataclasses.replace(r, retention=(priority, seconds) if soon else None,
+                                       end=not soon))
+    return out
+
+
+def _routed(r: Request, priority: int, ttl_s: float) -> Request:
+    tool = r.stop_reason in TOOL_STOPS
+    return dataclasses.replace(r, retention=(priority, ttl_s) if tool and not r.end else None)
+
+
+def sessions(requests: Sequence[Request]) -> list[Hashable]:
+    """Each request's session: its ``session_id``, else the first request of the
+    conversation it extends."""
+    owner: dict[Hashable, int] = {}
+    root: list[Hashable] = []
+    for i, r in enumerate(requests):
+        if r.session is not None:
+            root.append(("id", r.session))
+        else:
+            k, last = 0, None
+            while k < len(r.blocks) and r.blocks[k] in owner:
+                last = owner[r.blocks[k]]
+                k += 1
+            root.append(root[last] if last is not None and k >= MIN_SHARED else ("req", i))
+        for block in r.blocks:
+            owner[block] = i
+    return root
+
+
+def next_in_session(requests: Sequence[Request]) -> list[int | None]:
+    """The index of each request's next request in its session (``None``: it is the last)."""
+    after: list[int | None] = [None] * len(requests)
+    latest: dict[Hashable, int] = {}
+    for i, session in enumerate(sessions(requests)):
+        before = latest.get(session)
+        if before is not None:
+            after[before] = i
+        latest[session] = i
+    return after
