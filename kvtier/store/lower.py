@@ -23,6 +23,10 @@ is announced to the listeners subscribed by the store (:meth:`subscribe`; the ev
 a shared tier's journal), with its origin: this server's own (``HERE``), a peer's journal
 record or a listing (:meth:`index`, :meth:`forget` say which), so the journal can leave out
 what it must not echo (:mod:`kvtier.store.changes`).
+
+A peer's record is a *booking* (:meth:`book`, :mod:`kvtier.store.bookings`): bounded per peer
+and per tier, never making room by evicting a chunk this server wrote, read and verified
+(:meth:`hit`) or found by a listing.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
-from kvtier.policies import AdmissionPolicy, EvictionPolicy
+from kvtier.policies import DEFAULT_PRIORITY, AdmissionPolicy, EvictionPolicy
+from kvtier.store.bookings import Bookings, Limit
 from kvtier.store.breaker import CircuitBreaker, OnChange
 from kvtier.store.changes import Change, Origin, TierChange, TierListener
 from kvtier.store.estimate import ReadEstimate
@@ -120,6 +125,11 @@ class LowerTierState:
     @property
     def capacity(self) -> int:
         return self.books.capacity
+
+    @property
+    def bookings(self) -> Bookings:
+        """The chunks held on a peer's word alone, by peer, and their bounds."""
+        return self.books.bookings
 
     @property
     def deleting(self) -> set[ChunkKey]:
@@ -236,8 +246,10 @@ class LowerTierState:
         self.forget(key, origin=Origin.HERE)
         self._announce(Change.DELETED, Origin.HERE, key, namespace)
 
-    def hit(self, key: ChunkKey, namespace: bytes) -> None:
-        """A chunk read from the tier (announced as used here: the others' recency)."""
+    def hit(self, key: ChunkKey, namespace: bytes, nbytes: int) -> None:
+        """A chunk of ``nbytes`` read from the tier and verified: confirmed if it was a
+        peer's booking (announced as used here: the others' recency)."""
+        self.books.confirm(key, self.tier.footprint(nbytes))
         self._announce(Change.USED, Origin.HERE, key, namespace)
 
     def unlisted(self, reason: str) -> None:
@@ -255,20 +267,31 @@ class LowerTierState:
         self.rescan = True
 
     def _add(self, key: ChunkKey, size: int, promised: int, priority: int,
-             namespace: bytes, origin: Origin) -> None:
+             namespace: bytes, origin: Origin, peer: str | None = None) -> None:
         """Account ``key`` and make it evictable (one held already, e.g. found by a listing
         meanwhile, is removed first and added again as new)."""
         if key in self.books:
             self.forget(key, origin=origin)
-        self.books.add(key, size, promised, priority)
+        self.books.add(key, size, promised, priority, peer=peer)
         self.namespaces[key] = self._interned.setdefault(namespace, namespace)
         self._announce(Change.ADDED, origin, key, namespace, size)
 
-    def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes,
-              origin: Origin = Origin.LISTING) -> None:
-        """A chunk found in the tier (a listing; ``PEER``: another server's journal record
-        says it wrote it): account it, oldest first."""
-        self._add(key, size, 0, priority, namespace, origin)
+    def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
+        """A chunk a listing found in the tier: account it, oldest first (one held as a
+        peer's booking is confirmed)."""
+        if key in self.books.bookings:
+            self.books.confirm(key, size)
+            return
+        self._add(key, size, 0, priority, namespace, Origin.LISTING)
+
+    def book(self, key: ChunkKey, size: int, namespace: bytes, peer: str) -> Limit | None:
+        """Another server's journal record says ``peer`` wrote ``key`` (not held here):
+        account it as that peer's booking, newest first; or, past a bound, refuse it
+        (returns which bound)."""
+        refused = self.books.bookings.refusal(peer, size)
+        if refused is None:
+            self._add(key, size, 0, DEFAULT_PRIORITY, namespace, Origin.PEER, peer)
+        return refused
 
     def forget(self, key: ChunkKey, *, origin: Origin) -> bytes | None:
         """Drop ``key`` from the books (deleted, corrupt, missing; ``origin``: who says so);
