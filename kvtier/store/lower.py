@@ -77,6 +77,8 @@ class LowerTierState:
         self.namespaces: dict[ChunkKey, bytes] = {}
         """The namespace of each held chunk (shared tiers file chunks under it)."""
         self._interned: dict[bytes, bytes] = {}
+        """One copy of each namespace this server wrote or listed (a peer's records may
+        name any number of namespaces: theirs are interned only once a chunk is confirmed)."""
         self.pool = IOPool(self.name, config.io_threads, config.io_timeout_s, clock)
         self.reads = ReadEstimate()
         self.limited_by_filesystem = False
@@ -249,8 +251,14 @@ class LowerTierState:
     def hit(self, key: ChunkKey, namespace: bytes, nbytes: int) -> None:
         """A chunk of ``nbytes`` read from the tier and verified: confirmed if it was a
         peer's booking (announced as used here: the others' recency)."""
-        self.books.confirm(key, self.tier.footprint(nbytes))
+        self._confirm(key, self.tier.footprint(nbytes))
         self._announce(Change.USED, Origin.HERE, key, namespace)
+
+    def _confirm(self, key: ChunkKey, size: int) -> None:
+        if key in self.books.bookings:
+            self.books.confirm(key, size)
+            namespace = self.namespaces[key]
+            self.namespaces[key] = self._interned.setdefault(namespace, namespace)
 
     def unlisted(self, reason: str) -> None:
         """The listing at start failed: bypass the tier until a probe passes, then list it
@@ -273,14 +281,15 @@ class LowerTierState:
         if key in self.books:
             self.forget(key, origin=origin)
         self.books.add(key, size, promised, priority, peer=peer)
-        self.namespaces[key] = self._interned.setdefault(namespace, namespace)
+        self.namespaces[key] = (self._interned.get(namespace, namespace) if peer is not None
+                                else self._interned.setdefault(namespace, namespace))
         self._announce(Change.ADDED, origin, key, namespace, size)
 
     def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
         """A chunk a listing found in the tier: account it, oldest first (one held as a
         peer's booking is confirmed)."""
         if key in self.books.bookings:
-            self.books.confirm(key, size)
+            self._confirm(key, size)
             return
         self._add(key, size, 0, priority, namespace, Origin.LISTING)
 

@@ -385,7 +385,8 @@ class Sharing:
         found = sorted(usable, key=lambda c: c.mtime)
         self.apply("journal", functools.partial(state.count_implausible, len(odd)))
         listed = {c.key for c in found}
-        gone = self.apply("journal", lambda: [k for k in state.sizes if k not in listed])
+        held: list[ChunkKey] = self.apply("journal", functools.partial(list, state.sizes))
+        gone = [key for key in held if key not in listed]
         for at in range(0, len(gone), APPLY_BATCH):
             self.apply("journal", functools.partial(_forget, state, gone[at:at + APPLY_BATCH]))
         for at in range(0, len(found), APPLY_BATCH):

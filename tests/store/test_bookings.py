@@ -176,3 +176,23 @@ def test_a_flood_of_records_leaves_nothing_for_the_garbage_collector(servers: Se
     assert grown < 1000, f"{grown} more objects tracked after {len(names)} notes"
     assert victim.lock_cpu_max_s["journal"] < 0.05
     victim.check_integrity()
+
+
+@FS_ONLY
+def test_made_up_namespaces_leave_nothing_behind(servers: Servers) -> None:
+    """Every record may name a namespace of its own: once the bookings are gone (the peer's
+    own deletes here), nothing of them stays in memory."""
+    victim = servers("v", capacity=2000 * CHUNK_BYTES)
+    size = victim.tiers[0].fits_slot
+    ghosts = phantoms(1000)
+    spaces = [os.urandom(32) for _ in ghosts]
+    put = put_journal(victim, [["+", ns, k, size] for ns, k in zip(spaces, ghosts, strict=True)])
+    assert wait_until(lambda: applied(victim, put), 10.0)
+    assert victim.tiers[0].bookings.count == 1000
+    gone = put_journal(victim, [["-", ns, k, 0] for ns, k in zip(spaces, ghosts, strict=True)],
+                       server="f" * 16)
+    assert wait_until(lambda: applied(victim, gone), 10.0)
+    state = victim.tiers[0]
+    assert state.bookings.count == 0 and not state.sizes
+    assert not set(spaces) & set(state._interned), "no made-up namespace is kept"
+    victim.check_integrity()
