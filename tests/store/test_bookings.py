@@ -49,7 +49,7 @@ def refused(store: TieredStore, limit: str) -> float:
 def test_plausible_forged_puts_cannot_empty_the_tier(servers: Servers) -> None:
     """One note of MAX_RECORDS puts of a chunk's own size, random keys, into a tier holding
     20 chunks: the next writes here evict none of the 20 to make room for them."""
-    victim = servers("v", slots=24, capacity=24 * CHUNK_BYTES)
+    victim = servers("v", slots=24, capacity=48 * CHUNK_BYTES)
     real = keys(20, "real")
     store_chunks(victim, real)
     settle(victim)
@@ -74,7 +74,7 @@ def test_plausible_forged_puts_cannot_empty_the_tier(servers: Servers) -> None:
 def test_a_signed_peer_cannot_evict_what_was_verified_either(servers: Servers) -> None:
     """A writer holding the cluster secret signs its phantom puts: they are a peer's word
     all the same, and cost only their own room."""
-    victim = servers("v", [OLD], slots=24, capacity=24 * CHUNK_BYTES)
+    victim = servers("v", [OLD], slots=24, capacity=48 * CHUNK_BYTES)
     real = keys(20, "real")
     store_chunks(victim, real)
     settle(victim)
@@ -108,7 +108,7 @@ def test_a_peer_chunk_read_here_is_verified_and_kept(servers: Servers) -> None:
     """A real chunk another server wrote becomes this server's own once read and verified:
     phantoms never push it out either."""
     writer = servers("w")
-    reader = servers("r", slots=24, capacity=24 * CHUNK_BYTES)
+    reader = servers("r", slots=24, capacity=48 * CHUNK_BYTES)
     theirs = keys(4, "theirs")
     store_chunks(writer, theirs)
     settle(writer)
