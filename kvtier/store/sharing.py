@@ -43,6 +43,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import msgspec
 
@@ -68,9 +69,14 @@ MAX_TO_TOUCH = 10_000
 TOUCH_BATCH = 256
 APPLY_BATCH = 32
 """Records applied per hold of the store lock."""
+APPLY_PAUSE_S = 0.0001
+"""The pause between two holds of one note's batches: long enough for a thread waiting on
+the lock (a lookup) to take the interpreter and the lock, instead of waiting out the
+interpreter's switch interval (5 ms) once per batch while this thread takes both again."""
 MAX_PAGES = 10
 """Listing pages one poll reads at most (each at most MAX_LISTED_NOTES names)."""
 
+T = TypeVar("T")
 Untrusted = Callable[[str, str, int], None]
 """Told (tier, what, count) of untrusted input dropped."""
 Refused = Callable[[str, Limit, int], None]
@@ -338,9 +344,7 @@ class Sharing:
             return
         if server != self.server:
             records = self._fetch(name)
-            for at in range(0, len(records), APPLY_BATCH):
-                self.apply("journal", functools.partial(
-                    self.apply_records, records[at:at + APPLY_BATCH], server))
+            self._in_batches(functools.partial(self.apply_records, peer=server), records)
         self._seen[name] = ms
         self._advance(ms, now_ms)
 
@@ -387,12 +391,18 @@ class Sharing:
         listed = {c.key for c in found}
         held: list[ChunkKey] = self.apply("journal", functools.partial(list, state.sizes))
         gone = [key for key in held if key not in listed]
-        for at in range(0, len(gone), APPLY_BATCH):
-            self.apply("journal", functools.partial(_forget, state, gone[at:at + APPLY_BATCH]))
-        for at in range(0, len(found), APPLY_BATCH):
-            self.apply("journal", functools.partial(_index, state, found[at:at + APPLY_BATCH]))
+        self._in_batches(functools.partial(_forget, state), gone)
+        self._in_batches(functools.partial(_index, state), found)
         self._cursor_ms = now_ms
         log.info("tier %s: books rebuilt from a listing (%d chunks)", state.name, len(found))
+
+    def _in_batches(self, change: Callable[[list[T]], None], items: list[T]) -> None:
+        """``change`` applied to ``items`` APPLY_BATCH at a time, one hold of the store lock
+        each, pausing between holds (:data:`APPLY_PAUSE_S`)."""
+        for at in range(0, len(items), APPLY_BATCH):
+            if at:
+                time.sleep(APPLY_PAUSE_S)
+            self.apply("journal", functools.partial(change, items[at:at + APPLY_BATCH]))
 
     def _heartbeat(self) -> None:
         beat = {"t": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
