@@ -68,18 +68,20 @@ def _store(root: Path) -> TieredStore:
 
 
 def _tier(root: Path) -> dict[str, Any]:
-    return {"type": "fs", "name": "shared", "capacity_bytes": 1 << 30, "write_policy": "back",
+    return {"type": "fs", "name": "shared", "capacity_bytes": 1 << 30,
             "options": {"path": str(root / "volume"), "fsync": False,
                         "journal_interval_s": 0.05, "poll_s": 0.05, "sweep_interval_s": 3600}}
 
 
 def _held(store: TieredStore) -> list[ChunkKey]:
-    """A 128K-token prompt's keys, every chunk committed to the arena (write-back: no
-    copies below, so the lookup is the arena's and the lock is the only wait)."""
+    """A 128K-token prompt's keys, every chunk committed to the arena (and written through
+    to the folder before the phases begin): the lookup is the arena's, the lock its only
+    wait."""
     keys = chunk_keys(NS, np.arange(LOOKUP_KEYS * 256, dtype=np.int32), 256)
     slots = store.reserve(1, NS, keys, payload_len=PAYLOAD, tokens=256)
     assert all(slot is not None for slot in slots)
     store.commit(keys)
+    assert store.flush()
     return keys
 
 
