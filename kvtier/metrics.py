@@ -47,6 +47,10 @@ class StoreMetrics:
             "kvtier_untrusted", "Input from other writers of a shared tier that was dropped: "
             "chunks failing their MAC, notes too large or unsigned, journal records that do "
             "not parse or name an impossible size", ["tier", "what"], registry=r)
+        self.bookings_refused = Counter(
+            "kvtier_bookings_refused", "Other writers' journal records of chunks this server "
+            "has not verified, refused past a bound of such bookings (per writer or per tier)",
+            ["tier", "limit"], registry=r)
         self.store_refusals = Counter(
             "kvtier_store_refusals", "Reservations refused, by reason", ["reason"], registry=r)
         self.leases_active = Gauge("kvtier_leases_active", "Open leases", registry=r)

@@ -127,5 +127,5 @@ def test_rm_journals_its_deletes_in_notes_of_bounded_size(
     assert out[0]["deleted_chunks"] == 8
     tier = FsTier("shared", ServerConfig.from_yaml(path).tiers[1])
     notes = [journal.decode(tier.get_note(n) or b"") for n in tier.list_notes(journal.PREFIX)]
-    deletes = [d.records for d in notes if d.records[0].op == "-"]  # not the store's "+"
+    deletes = [d.records for d in notes if d.records[0][0] == "-"]  # not the store's "+"
     assert sorted(map(len, deletes)) == [2, 3, 3], "8 records in notes of at most 3"

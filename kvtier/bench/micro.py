@@ -18,7 +18,11 @@ same bytes, so machine noise cancels out of the ratios:
 - trust (:mod:`kvtier.bench.auth`): a shared folder's reads verified with the cluster secret's
   MAC against the checksum alone (``fs_auth_read_ratio``, page cache warm: the hardest case),
   and the longest store-lock hold applying a hostile 20 MB journal note and a full valid one
-  (``note_apply_lock_ms``).
+  (``note_apply_lock_ms``);
+- flood (:mod:`kvtier.bench.flood`): a lookup's p50 and longest wait while a peer process
+  floods the journal at the caps, against lookups with no flood, phases interleaved.
+
+``--cases`` runs some of them only (``--cases flood``).
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from kvtier.bench import auth, housekeeping, pagecache
+from kvtier.bench import auth, flood, housekeeping, pagecache
 from kvtier.bench.report import Row, print_table
 from kvtier.client import KvtierClient
 from kvtier.codec import HEADER_SIZE, seal, stored_size
@@ -44,6 +49,7 @@ from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.server import NodeServer
 
 NS = b"\x11" * 32
+CASES = ("arena", "disk", "lookup", "housekeeping", "trust", "flood", "hash")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,25 +60,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", default=None, help="folder for the disk tier (default: a temp dir)")
     p.add_argument("--housekeeping-chunks", type=int, default=1_000_000,
                    help="chunks indexed for the housekeeping figure")
+    p.add_argument("--flood-repeats", type=int, default=3,
+                   help="quiet and flooded phases of the flood case (interleaved)")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated cases to run, of: {', '.join(CASES)}")
     p.add_argument("--json", dest="json_path", help="write the figures to this file")
     p.set_defaults(func=run)
 
 
+def _cases(text: str) -> set[str]:
+    chosen = {c.strip() for c in text.split(",") if c.strip()}
+    unknown = chosen - set(CASES)
+    if unknown or not chosen:
+        raise SystemExit(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
+    return chosen
+
+
 def run(args: argparse.Namespace) -> int:
     payload = int(args.chunk_mib * (1 << 20)) // 4096 * 4096
-    figures: dict[str, float] = {}
+    cases = _cases(args.cases)
+    figures: dict[str, Any] = {}
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=args.dir) as tmp:
-        arena_rows, arena_figs = _bench_arena(Path(tmp), payload, args.chunks, args.repeats)
-        disk_rows, disk_figs = _bench_disk(Path(tmp), payload, args.chunks, args.repeats)
-        lookup_rows, lookup_figs = _bench_lookup(Path(tmp))
-        hk_rows, hk_figs = housekeeping.bench(Path(tmp), args.housekeeping_chunks)
-        trust_rows, trust_figs = _bench_trust(Path(tmp), payload)
-    rows += arena_rows + disk_rows + lookup_rows + hk_rows + trust_rows
-    figures.update(arena_figs | disk_figs | lookup_figs | hk_figs | trust_figs)
-    hash_rows, hash_figs = _bench_hash()
-    rows += hash_rows
-    figures.update(hash_figs)
+        root = Path(tmp)
+        runs: dict[str, Callable[[], tuple[list[Row], dict[str, Any]]]] = {
+            "arena": lambda: _bench_arena(root, payload, args.chunks, args.repeats),
+            "disk": lambda: _bench_disk(root, payload, args.chunks, args.repeats),
+            "lookup": lambda: _bench_lookup(root),
+            "housekeeping": lambda: housekeeping.bench(root, args.housekeeping_chunks),
+            "trust": lambda: _bench_trust(root, payload),
+            "flood": lambda: flood.bench(root / "flood", args.flood_repeats),
+            "hash": _bench_hash}
+        for case in CASES:
+            if case in cases:
+                case_rows, case_figs = runs[case]()
+                rows += case_rows
+                figures.update(case_figs)
     figures["chunk_bytes"] = payload
     print_table(rows, title=f"kvtier bench micro ({payload >> 10} KiB chunks, "
                             f"{args.chunks} per batch, median of {args.repeats})")

@@ -148,7 +148,8 @@ class TieredStore:
             state.subscribe(self.events)
             if state.tier.shared:
                 sharing = Sharing(state, self.instance, self.apply, self._reading,
-                                  self._swept, self.keyring, self._untrusted)
+                                  self._swept, self.keyring, self._untrusted,
+                                  self._bookings_refused)
                 state.subscribe(sharing)
                 self.sharing[state.name] = sharing
                 sharing.start()
@@ -506,6 +507,9 @@ class TieredStore:
 
     def _untrusted(self, tier: str, what: str, count: int) -> None:
         self.metrics.untrusted.labels(tier, what).inc(count)
+
+    def _bookings_refused(self, tier: str, limit: str, count: int) -> None:
+        self.metrics.bookings_refused.labels(tier, limit).inc(count)
 
     def _swept(self, tier: str, chunks: int, nbytes: int) -> None:
         self.metrics.evictions.labels(tier, "sweep").inc(chunks)

@@ -36,11 +36,13 @@ class Event(NamedTuple):
 
 class EventLog:
     def __init__(self, capacity: int = 1 << 16) -> None:
-        self._events: deque[Event] = deque(maxlen=capacity)
+        self._events: deque[tuple[int, str, str, bytes, ChunkKey]] = deque(maxlen=capacity)
+        """Plain tuples (made :class:`Event` when read): the garbage collector stops
+        tracking them, so a full log is no work for its full collections."""
         self._seq = itertools.count(1)
 
     def add(self, op: str, tier: str, namespace: bytes, key: ChunkKey) -> None:
-        self._events.append(Event(next(self._seq), op, tier, namespace, key))
+        self._events.append((next(self._seq), op, tier, namespace, key))
 
     def tier_changed(self, change: TierChange) -> None:
         """A lower tier's books changed: a chunk added is STORED there, one removed is
@@ -57,19 +59,20 @@ class EventLog:
         events = self._events
         if not events:
             return [], seq, False
-        lost = seq < events[0].seq - 1
-        start = max(0, seq - events[0].seq + 1)
+        first = events[0][0]
+        lost = seq < first - 1
+        start = max(0, seq - first + 1)
         out: list[Event] = []
         last = seq
         for i in range(start, len(events)):
             event = events[i]
-            last = event.seq
-            if namespace is None or event.namespace == namespace:
-                out.append(event)
+            last = event[0]
+            if namespace is None or event[3] == namespace:
+                out.append(Event(*event))
                 if len(out) >= limit:
                     break
         return out, last, lost
 
     @property
     def last_seq(self) -> int:
-        return self._events[-1].seq if self._events else 0
+        return self._events[-1][0] if self._events else 0

@@ -23,6 +23,10 @@ is announced to the listeners subscribed by the store (:meth:`subscribe`; the ev
 a shared tier's journal), with its origin: this server's own (``HERE``), a peer's journal
 record or a listing (:meth:`index`, :meth:`forget` say which), so the journal can leave out
 what it must not echo (:mod:`kvtier.store.changes`).
+
+A peer's record is a *booking* (:meth:`book`, :mod:`kvtier.store.bookings`): bounded per peer
+and per tier, never making room by evicting a chunk this server wrote, read and verified
+(:meth:`hit`) or found by a listing.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
-from kvtier.policies import AdmissionPolicy, EvictionPolicy
+from kvtier.policies import DEFAULT_PRIORITY, AdmissionPolicy, EvictionPolicy
+from kvtier.store.bookings import Bookings, Limit
 from kvtier.store.breaker import CircuitBreaker, OnChange
 from kvtier.store.changes import Change, Origin, TierChange, TierListener
 from kvtier.store.estimate import ReadEstimate
@@ -72,6 +77,8 @@ class LowerTierState:
         self.namespaces: dict[ChunkKey, bytes] = {}
         """The namespace of each held chunk (shared tiers file chunks under it)."""
         self._interned: dict[bytes, bytes] = {}
+        """One copy of each namespace this server wrote or listed (a peer's records may
+        name any number of namespaces: theirs are interned only once a chunk is confirmed)."""
         self.pool = IOPool(self.name, config.io_threads, config.io_timeout_s, clock)
         self.reads = ReadEstimate()
         self.limited_by_filesystem = False
@@ -120,6 +127,11 @@ class LowerTierState:
     @property
     def capacity(self) -> int:
         return self.books.capacity
+
+    @property
+    def bookings(self) -> Bookings:
+        """The chunks held on a peer's word alone, by peer, and their bounds."""
+        return self.books.bookings
 
     @property
     def deleting(self) -> set[ChunkKey]:
@@ -210,7 +222,7 @@ class LowerTierState:
                namespace: bytes, until: float | None = None) -> None:
         """This server's write of ``key`` finished: in the books (announced as added here),
         at ``priority`` until ``until`` (the arena copy's retention)."""
-        self._add(key, size, promised, priority, namespace, Origin.HERE, until)
+        self._add(key, size, promised, priority, namespace, Origin.HERE, until=until)
 
     def mark_deleting(self, key: ChunkKey) -> None:
         """A delete of ``key`` (already out of the books) is queued: no write until it ran."""
@@ -238,9 +250,17 @@ class LowerTierState:
         self.forget(key, origin=Origin.HERE)
         self._announce(Change.DELETED, Origin.HERE, key, namespace)
 
-    def hit(self, key: ChunkKey, namespace: bytes) -> None:
-        """A chunk read from the tier (announced as used here: the others' recency)."""
+    def hit(self, key: ChunkKey, namespace: bytes, nbytes: int) -> None:
+        """A chunk of ``nbytes`` read from the tier and verified: confirmed if it was a
+        peer's booking (announced as used here: the others' recency)."""
+        self._confirm(key, self.tier.footprint(nbytes))
         self._announce(Change.USED, Origin.HERE, key, namespace)
+
+    def _confirm(self, key: ChunkKey, size: int) -> None:
+        if key in self.books.bookings:
+            self.books.confirm(key, size)
+            namespace = self.namespaces[key]
+            self.namespaces[key] = self._interned.setdefault(namespace, namespace)
 
     def unlisted(self, reason: str) -> None:
         """The listing at start failed: bypass the tier until a probe passes, then list it
@@ -257,20 +277,33 @@ class LowerTierState:
         self.rescan = True
 
     def _add(self, key: ChunkKey, size: int, promised: int, priority: int,
-             namespace: bytes, origin: Origin, until: float | None = None) -> None:
+             namespace: bytes, origin: Origin, peer: str | None = None,
+             until: float | None = None) -> None:
         """Account ``key`` and make it evictable (one held already, e.g. found by a listing
         meanwhile, is removed first and added again as new)."""
         if key in self.books:
             self.forget(key, origin=origin)
-        self.books.add(key, size, promised, priority, until=until)
-        self.namespaces[key] = self._interned.setdefault(namespace, namespace)
+        self.books.add(key, size, promised, priority, peer=peer, until=until)
+        self.namespaces[key] = (self._interned.get(namespace, namespace) if peer is not None
+                                else self._interned.setdefault(namespace, namespace))
         self._announce(Change.ADDED, origin, key, namespace, size)
 
-    def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes,
-              origin: Origin = Origin.LISTING) -> None:
-        """A chunk found in the tier (a listing; ``PEER``: another server's journal record
-        says it wrote it): account it, oldest first."""
-        self._add(key, size, 0, priority, namespace, origin)
+    def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
+        """A chunk a listing found in the tier: account it, oldest first (one held as a
+        peer's booking is confirmed)."""
+        if key in self.books.bookings:
+            self._confirm(key, size)
+            return
+        self._add(key, size, 0, priority, namespace, Origin.LISTING)
+
+    def book(self, key: ChunkKey, size: int, namespace: bytes, peer: str) -> Limit | None:
+        """Another server's journal record says ``peer`` wrote ``key`` (not held here):
+        account it as that peer's booking, newest first; or, past a bound, refuse it
+        (returns which bound)."""
+        refused = self.books.bookings.refusal(peer, size)
+        if refused is None:
+            self._add(key, size, 0, DEFAULT_PRIORITY, namespace, Origin.PEER, peer)
+        return refused
 
     def forget(self, key: ChunkKey, *, origin: Origin) -> bytes | None:
         """Drop ``key`` from the books (deleted, corrupt, missing; ``origin``: who says so);

@@ -19,9 +19,11 @@ cannot drift apart::
 
 One :class:`TierBooks` per lower tier holds what these decide with: the eviction order, the
 admission rules, the size of each chunk held, the bytes used and promised to copies under way,
-the capacity, and the keys whose delete is queued::
+the capacity, the keys whose delete is queued, and the chunks booked on a peer's word alone
+(:mod:`kvtier.store.bookings`), which never cost a confirmed chunk its place::
 
     used == sum(sizes)     keys(sizes) == keys(policy)     used + reserved <= capacity
+    bookings ⊆ sizes       room for bookings comes from bookings
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvtier.policies import (
     make_admission,
     make_eviction,
 )
+from kvtier.store.bookings import Bookings, Limits
 
 K = TypeVar("K", bound=Hashable)
 Refusal = Literal["held", "breaker_open", "policy"]
@@ -74,6 +77,8 @@ class TierBooks:
         """Bytes promised to copies under way (:meth:`make_room` until :meth:`add`)."""
         self.deleting: set[Hashable] = set()
         """Keys whose delete is queued: not written again until it ran."""
+        self.bookings = Bookings(name, Limits.of(capacity, fits_slot or 1))
+        """Chunks held on a peer's word alone (not written, read or listed here)."""
 
     @property
     def books(self) -> TierBooks:
@@ -116,20 +121,52 @@ class TierBooks:
         Returns the victims, already out of the books (the caller deletes them), or ``None``
         when the chunk cannot fit even after evicting every unprotected chunk (nothing is
         evicted then). Walks the eviction order lazily: the cost is the victims.
+
+        A confirmed chunk is a victim only while confirmed chunks (and writes promised
+        room) alone need the room: what bookings take is made room for from bookings, in
+        eviction order, so a peer's records of chunks that do not exist cost at most their
+        own room.
         """
         if size > self.capacity:
             return None
         need = self.used + self.reserved + size - self.capacity
         victims: list[Hashable] = []
         if need > 0:
-            chosen = self.policy.evict_bytes(need, self.sizes.__getitem__, protected)
+            spared = self._spared(need - self.bookings.bytes, protected)
+            chosen = self.policy.evict_bytes(need, self.sizes.__getitem__, spared)
             if chosen is None:
                 return None
             for key in chosen:
-                self.used -= self.sizes.pop(key)
+                size_of = self.sizes.pop(key)
+                self.used -= size_of
+                self.bookings.drop(key, size_of)
                 victims.append(key)
         self.reserved += size
         return victims
+
+    def _spared(self, confirmed_need: int, protected: Callable[[Hashable], bool]
+                ) -> Callable[[Hashable], bool]:
+        """``protected``, and every confirmed chunk once the walk passed confirmed ones
+        worth ``confirmed_need`` bytes (the room they need without the bookings)."""
+        bookings = self.bookings
+        if not bookings.count:
+            return protected
+        left = confirmed_need
+        passed: set[Hashable] = set()
+
+        def spared(key: Hashable) -> bool:
+            nonlocal left
+            if protected(key):
+                return True
+            if key in bookings or key in passed:
+                return False
+            if left <= 0:
+                return True
+            left -= self.sizes[key]
+            passed.add(key)
+            return False
+
+        return spared
 
     def release(self, promised: int) -> None:
         """A copy promised ``promised`` by :meth:`make_room` stored nothing."""
@@ -137,16 +174,29 @@ class TierBooks:
 
     def add(self, key: Hashable, size: int, promised: int = 0,
             priority: int = DEFAULT_PRIORITY, parent: Hashable | None = None,
-            until: float | None = None) -> None:
+            peer: str | None = None, until: float | None = None) -> None:
         """A copy of ``key`` landed (``promised``: what :meth:`make_room` promised it);
-        ``parent`` is the chunk before it in its chain (a policy hint); ``until``: when
-        ``priority`` falls back to the default. A key held already (indexed meanwhile, e.g.
-        by a listing) is re-added as new."""
+        ``parent`` is the chunk before it in its chain (a policy hint); ``peer``: booked on
+        that peer's word alone (check :meth:`Bookings.refusal` first); ``until``: when
+        ``priority`` falls back to the default. A key held already
+        (indexed meanwhile, e.g. by a listing) is re-added as new."""
         self.reserved -= promised
         self.forget(key)
         self.sizes[key] = size
         self.used += size
         self.policy.insert(key, priority, parent, until)
+        if peer is not None:
+            self.bookings.book(key, peer, size)
+
+    def confirm(self, key: Hashable, size: int) -> None:
+        """``key`` was read and verified here (``size``: its true size), or a listing found
+        it: no longer a booking."""
+        held = self.sizes.get(key)
+        if held is None:
+            return
+        self.bookings.drop(key, held)
+        self.sizes[key] = size
+        self.used += size - held
 
     def forget(self, key: Hashable) -> bool:
         """Drop ``key`` from the books (deleted, lost); False if it was not held."""
@@ -154,6 +204,7 @@ class TierBooks:
         if size is None:
             return False
         self.used -= size
+        self.bookings.drop(key, size)
         self.policy.remove(key)
         return True
 
@@ -181,6 +232,7 @@ class TierBooks:
             raise IntegrityError(f"tier {self.name}: index and eviction policy disagree")
         if self.used != sum(self.sizes.values()):
             raise IntegrityError(f"tier {self.name}: used bytes {self.used} != sum of sizes")
+        self.bookings.check_integrity(self.sizes)
 
 
 def _always() -> bool:

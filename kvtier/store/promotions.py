@@ -157,7 +157,7 @@ class Promotions:
                 item.state = ItemState.READY
             nbytes = stored_size(header.payload_len)
             state.reads.observe(elapsed, nbytes, self.clock())
-            state.hit(entry.key, header.namespace_fp)
+            state.hit(entry.key, header.namespace_fp, nbytes)
             self.metrics.bytes.labels(state.name, "read").inc(nbytes)
             self.metrics.io_seconds.labels(state.name, "read").observe(elapsed)
         else:

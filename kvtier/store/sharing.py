@@ -43,6 +43,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import msgspec
 
@@ -50,6 +51,7 @@ from kvtier.auth import Keyring
 from kvtier.errors import NoteTooLarge, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
+from kvtier.store.bookings import Limit
 from kvtier.store.changes import Change, Origin, TierChange
 from kvtier.store.iopool import IOPool, Job
 from kvtier.store.locking import Apply
@@ -67,11 +69,18 @@ MAX_TO_TOUCH = 10_000
 TOUCH_BATCH = 256
 APPLY_BATCH = 32
 """Records applied per hold of the store lock."""
+APPLY_PAUSE_S = 0.0001
+"""The pause between two holds of one note's batches: long enough for a thread waiting on
+the lock (a lookup) to take the interpreter and the lock, instead of waiting out the
+interpreter's switch interval (5 ms) once per batch while this thread takes both again."""
 MAX_PAGES = 10
 """Listing pages one poll reads at most (each at most MAX_LISTED_NOTES names)."""
 
+T = TypeVar("T")
 Untrusted = Callable[[str, str, int], None]
 """Told (tier, what, count) of untrusted input dropped."""
+Refused = Callable[[str, Limit, int], None]
+"""Told (tier, limit, count) of peers' records refused past a bound of bookings."""
 
 
 class Sharing:
@@ -79,10 +88,12 @@ class Sharing:
                  reading: Callable[[LowerTierState, Hashable], bool],
                  on_sweep: Callable[[str, int, int], None] = lambda _t, _n, _b: None,
                  keyring: Keyring | None = None,
-                 untrusted: Untrusted = lambda _t, _w, _n: None) -> None:
+                 untrusted: Untrusted = lambda _t, _w, _n: None,
+                 refused: Refused = lambda _t, _l, _n: None) -> None:
         assert isinstance(state.tier, SharedTier)
         self.keyring = keyring
         self.untrusted = untrusted
+        self.refused = refused
         self.rejected: dict[str, int] = {}
         """Untrusted input dropped so far, by what it was."""
         self._warned: set[str] = set()
@@ -173,20 +184,26 @@ class Sharing:
             del self.outbox[: len(self.outbox) - MAX_OUTBOX]
             self.dropped += 1
 
-    def apply_records(self, records: list[journal.Record]) -> None:
-        """Another server's records, already validated (lock held; at most APPLY_BATCH);
-        their changes are the peer's (``PEER``), not recorded here again."""
+    def apply_records(self, records: list[journal.Line], peer: str) -> None:
+        """``peer``'s records, already validated (lock held; at most APPLY_BATCH): its
+        puts are its bookings (:meth:`LowerTierState.book`), refused past their bounds;
+        the changes are the peer's (``PEER``), not recorded here again."""
         state = self.state
-        for r in records:
-            if r.op == "+":
-                if r.key in state:
-                    state.touch(r.key)
-                elif r.key not in state.deleting:
-                    state.index(r.key, r.size, 35, r.namespace, Origin.PEER)
-            elif r.op == "-":
-                state.forget(r.key, origin=Origin.PEER)
+        refused: dict[Limit, int] = {}
+        for op, namespace, key, size in records:
+            if op == "+":
+                if key in state:
+                    state.touch(key)
+                elif key not in state.deleting:
+                    limit = state.book(key, size, namespace, peer)
+                    if limit is not None:
+                        refused[limit] = refused.get(limit, 0) + 1
+            elif op == "-":
+                state.forget(key, origin=Origin.PEER)
             else:
-                state.touch(r.key)
+                state.touch(key)
+        for limit, count in refused.items():
+            self.refused(state.name, limit, count)
 
     # ------------------------------------------------------------------ the clock
 
@@ -327,13 +344,11 @@ class Sharing:
             return
         if server != self.server:
             records = self._fetch(name)
-            for at in range(0, len(records), APPLY_BATCH):
-                self.apply("journal", functools.partial(self.apply_records,
-                                                        records[at:at + APPLY_BATCH]))
+            self._in_batches(functools.partial(self.apply_records, peer=server), records)
         self._seen[name] = ms
         self._advance(ms, now_ms)
 
-    def _fetch(self, name: str) -> list[journal.Record]:
+    def _fetch(self, name: str) -> list[journal.Line]:
         """A peer's note, opened and validated outside the lock; [] for one deleted
         meanwhile (swept) or dropped as untrusted."""
         try:
@@ -374,13 +389,20 @@ class Sharing:
         found = sorted(usable, key=lambda c: c.mtime)
         self.apply("journal", functools.partial(state.count_implausible, len(odd)))
         listed = {c.key for c in found}
-        gone = self.apply("journal", lambda: [k for k in state.sizes if k not in listed])
-        for at in range(0, len(gone), APPLY_BATCH):
-            self.apply("journal", functools.partial(_forget, state, gone[at:at + APPLY_BATCH]))
-        for at in range(0, len(found), APPLY_BATCH):
-            self.apply("journal", functools.partial(_index, state, found[at:at + APPLY_BATCH]))
+        held: list[ChunkKey] = self.apply("journal", functools.partial(list, state.sizes))
+        gone = [key for key in held if key not in listed]
+        self._in_batches(functools.partial(_forget, state), gone)
+        self._in_batches(functools.partial(_index, state), found)
         self._cursor_ms = now_ms
         log.info("tier %s: books rebuilt from a listing (%d chunks)", state.name, len(found))
+
+    def _in_batches(self, change: Callable[[list[T]], None], items: list[T]) -> None:
+        """``change`` applied to ``items`` APPLY_BATCH at a time, one hold of the store lock
+        each, pausing between holds (:data:`APPLY_PAUSE_S`)."""
+        for at in range(0, len(items), APPLY_BATCH):
+            if at:
+                time.sleep(APPLY_PAUSE_S)
+            self.apply("journal", functools.partial(change, items[at:at + APPLY_BATCH]))
 
     def _heartbeat(self) -> None:
         beat = {"t": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
@@ -441,7 +463,9 @@ def _forget(state: LowerTierState, keys: list[ChunkKey]) -> None:
 
 
 def _index(state: LowerTierState, chunks: list[StoredChunk]) -> None:
-    """Chunks a listing found that the books lack (a delete queued here keeps them out)."""
+    """Chunks a listing found that the books lack (a delete queued here keeps them out),
+    or hold on a peer's word alone (confirmed)."""
     for chunk in chunks:
-        if chunk.key not in state and chunk.key not in state.deleting:
+        if chunk.key in state.bookings or (chunk.key not in state
+                                           and chunk.key not in state.deleting):
             state.index(chunk.key, chunk.size, 35, chunk.namespace)

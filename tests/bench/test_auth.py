@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.bench import auth
+from kvtier.bench import auth, flood
 
 
 def test_auth_read_reads_and_verifies_with_and_without_the_secret(tmp_path: Path) -> None:
@@ -22,3 +22,10 @@ def test_note_apply_lock_refuses_the_hostile_note_and_applies_the_full_one(
     _rows, figures = auth.note_apply_lock(tmp_path)
     assert figures["note_20mb_lock_ms"] == 0.0, "a 20 MB note never reaches the lock"
     assert 0 < figures["note_full_lock_ms"] == figures["note_apply_lock_ms"]
+
+
+def test_the_flood_case_floods_and_times_lookups_with_and_without(tmp_path: Path) -> None:
+    rows, figures = flood.bench(tmp_path, repeats=1, phase_s=0.5)
+    assert figures["flood_records_per_phase"][0] > 0, "the peer's notes were taken in"
+    assert figures["quiet_lookup_p50_ms"] > 0 and figures["flood_lookup_max_ms"] > 0
+    assert len(figures["flood_lookup_max_ms_each"]) == 1 and len(rows) == 2

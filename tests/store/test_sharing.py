@@ -237,7 +237,7 @@ def test_journal_records_survive_garbage(ops: int) -> None:
     from kvtier.store import journal
 
     good = journal.Record("+", NS, keys(1)[0], 8192)
-    assert journal.decode(journal.encode([good])).records == [good]
+    assert journal.decode(journal.encode([good])).records == [("+", NS, keys(1)[0], 8192)]
     assert journal.decode(b"\xc1 not msgpack").records == []
     assert journal.decode(b"\x91\x94\xa1x\xc4\x01a\xc4\x01b\x01") == journal.Decoded([], 1)
 
@@ -273,7 +273,7 @@ def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
     hits = keys(MAX_TO_TOUCH + 5, "hit")
     with store._locked("test"):
         for key in hits:
-            state.hit(key, NS)
+            state.hit(key, NS, CHUNK_BYTES)
         assert len(sharing._to_touch) == MAX_TO_TOUCH, "the oldest are dropped"
         assert sharing.touches_dropped == 5
         while len(sharing._to_touch) > TOUCH_BATCH:  # one batch: ~1.3 s, 5 ms a touch

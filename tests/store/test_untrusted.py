@@ -188,7 +188,8 @@ def test_oversized_and_overfull_notes_are_dropped_whole(servers: Servers) -> Non
 
 
 def test_a_full_note_is_applied_in_short_lock_holds(servers: Servers) -> None:
-    a, b = servers("a", capacity=(journal.MAX_RECORDS + 8) * CHUNK_BYTES), servers("b")
+    roomy = 2 * (journal.MAX_RECORDS + 8) * CHUNK_BYTES  # room for every booking (Redis: 1.3x)
+    a, b = servers("a", capacity=roomy), servers("b", capacity=roomy)
     many = keys(journal.MAX_RECORDS, "many")
     b.lock_max_s.clear()
     put_journal(a, [["+", NS, k, b.tiers[0].fits_slot] for k in many])
