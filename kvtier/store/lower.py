@@ -277,7 +277,7 @@ class LowerTierState:
         self.rescan = True
 
     def _add(self, key: ChunkKey, size: int, promised: int, priority: int,
-             namespace: bytes, origin: Origin, peer: str | None = None,
+             namespace: bytes, origin: Origin, *, peer: str | None = None,
              until: float | None = None) -> None:
         """Account ``key`` and make it evictable (one held already, e.g. found by a listing
         meanwhile, is removed first and added again as new)."""
@@ -302,7 +302,7 @@ class LowerTierState:
         (returns which bound)."""
         refused = self.books.bookings.refusal(peer, size)
         if refused is None:
-            self._add(key, size, 0, DEFAULT_PRIORITY, namespace, Origin.PEER, peer)
+            self._add(key, size, 0, DEFAULT_PRIORITY, namespace, Origin.PEER, peer=peer)
         return refused
 
     def forget(self, key: ChunkKey, *, origin: Origin) -> bytes | None:

@@ -173,7 +173,7 @@ class TierBooks:
         self.reserved -= promised
 
     def add(self, key: Hashable, size: int, promised: int = 0,
-            priority: int = DEFAULT_PRIORITY, parent: Hashable | None = None,
+            priority: int = DEFAULT_PRIORITY, parent: Hashable | None = None, *,
             peer: str | None = None, until: float | None = None) -> None:
         """A copy of ``key`` landed (``promised``: what :meth:`make_room` promised it);
         ``parent`` is the chunk before it in its chain (a policy hint); ``peer``: booked on

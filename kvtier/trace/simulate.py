@@ -334,7 +334,7 @@ class Simulator:
             books = tier.books
             if tier.writing:
                 for block, (parent, (priority, until)) in tier.writing.items():
-                    books.add(block, 1, 1, priority, parent, until)
+                    books.add(block, 1, 1, priority, parent, until=until)
                 tier.writing.clear()
             for block in list(books.deleting):
                 books.clear_deleting(block)
