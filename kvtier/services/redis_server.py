@@ -39,9 +39,9 @@ class RedisServer(Service):
                  start_timeout_s: float = 15.0, stop_timeout_s: float = 10.0,
                  die_with_parent: bool = True) -> None:
         _check(password, maxmemory, maxmemory_policy, extra_config or {})
+        self.host = check_host(host)  # before a working folder is made
         super().__init__(workdir=workdir, start_timeout_s=start_timeout_s,
                          stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
-        self.host = check_host(host)
         self._fixed_port = port is not None
         self.port = port if port is not None else free_ports(1)[0]
         self.password = password

@@ -80,9 +80,9 @@ class SeaweedFS(Service):
                  extra_args: Sequence[str] = (), host: str = HOST,
                  start_timeout_s: float = 60.0,
                  stop_timeout_s: float = 15.0, die_with_parent: bool = True) -> None:
+        self.host = check_host(host)  # before a working folder is made
         super().__init__(workdir=workdir, start_timeout_s=start_timeout_s,
                          stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
-        self.host = check_host(host)
         self._fixed_ports = ports is not None
         self.ports = ports or SeaweedPorts.pick()
         write_ports(self.workdir, list(astuple(self.ports)))
