@@ -1,27 +1,18 @@
 """Fixtures of the multi-host tests: a network of namespaces per test, torn down in any case.
 
 At the session's start the namespaces that killed test runs left (``kvh-PID-*`` of a PID that
-is gone) are removed; when this process exits without running the finalizers (an interrupt
-between tests), ``atexit`` closes what is still open; a SIGKILL leaves them to the next sweep
-(the processes in them die with this one: they are started with a parent-death signal).
+is gone) are removed; when this process exits without running the finalizers, ``atexit``
+closes what is still open (:func:`hosts.netns.close_all`); a SIGKILL leaves them to the next
+sweep (the processes in them die with this one: they are started with a parent-death signal).
 """
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from hosts.netns import Network, sweep_stale, unavailable
-
-_open: list[Network] = []
-
-
-@atexit.register
-def _close_open() -> None:
-    while _open:
-        _open.pop().close()
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +30,11 @@ def make_network(can_make_hosts: None) -> Iterator[Callable[[], Network]]:
     def make() -> Network:
         network = Network()
         made.append(network)
-        _open.append(network)
         return network
 
     yield make
     for network in made:
         network.close()
-        _open.remove(network)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ namespaces (``ip netns pids``), then deletes the namespaces (a host's veth goes 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import itertools
@@ -44,6 +45,7 @@ _STALE = re.compile(rf"{PREFIX}(\d+)-")
 _CLONE_NEWNET = 0x40000000
 _STOP_S = 10.0
 _networks = itertools.count()
+_open: set[Network] = set()
 T = TypeVar("T")
 
 
@@ -120,8 +122,10 @@ class Host:
         self.network.adopt(popen)
         return popen
 
-    def run(self, argv: Sequence[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv(argv), capture_output=True, text=True, timeout=timeout_s)
+    def run(self, argv: Sequence[str], *, timeout_s: float = 30.0,
+            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.argv(argv), capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
 
     def call(self, fn: Callable[..., T], *args: Any, timeout_s: float = 60.0, **kw: Any) -> T:
         """``fn(*args, **kw)`` in a thread inside this host's namespace."""
@@ -162,6 +166,7 @@ class Network:
         self.isolated: list[str] = []
         self._children: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
+        _open.add(self)
         ip("netns", "add", self.switch)
         try:
             ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -202,6 +207,7 @@ class Network:
 
     def close(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL), then delete every namespace."""
+        _open.discard(self)
         for host in self.hosts:
             host.close()
         with self._lock:
@@ -229,6 +235,13 @@ class Network:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+@atexit.register
+def close_all() -> None:
+    """What an interrupted run left open (finalizers that did not run)."""
+    for network in list(_open):
+        network.close()
 
 
 def log_tail(path: Path, chars: int = 3000) -> str:

@@ -139,7 +139,7 @@ class NodeServer:
 
 
 def http(url: str, body: Any = None, *, token: str | None = None,
-         timeout_s: float = 5.0) -> tuple[int, Any]:
+         wait_s: float = 5.0) -> tuple[int, Any]:
     """One request (JSON in and out); (status, parsed body or text)."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
@@ -148,7 +148,7 @@ def http(url: str, body: Any = None, *, token: str | None = None,
     request = urllib.request.Request(url, data=data, headers=headers,
                                      method="POST" if data is not None else "GET")
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        with urllib.request.urlopen(request, timeout=wait_s) as answer:
             status, raw = answer.status, answer.read()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read()

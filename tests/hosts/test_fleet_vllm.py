@@ -1,0 +1,165 @@
+"""kvtier across hosts with real vLLM: 2 instance hosts, a shared-tier host, a router host.
+
+Each instance host runs ``kvtier serve`` (vLLM CPU build, float32, bound to one core, its node
+server on the host's address with a node token); SeaweedFS S3 on the shared host; ``kvtier
+route --strategy cache`` on the router host; requests and ``kvtier verify`` come from a client
+host. Tokens are compared with a plain vLLM (same flags, no connector) that answers the same
+prompts first and is stopped before the fleet is asked. The engines start once for the module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hosts.fleet import API_PORT, Fleet
+from hosts.netns import Network, ns_pids, wait_for
+from hosts.services import http, secret
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.services]
+CHUNK = 256
+
+
+def _prompts() -> dict[str, str]:
+    from kvtier.demo.model import corpus_text
+
+    text = corpus_text()
+    run = uuid.uuid4().hex[:8]
+    return {"direct": f"hosts direct {run}\n{text[:9000]}",
+            "routed": f"hosts routed {run}\n{text[1000:10000]}",
+            "short": f"hosts short {run}: the quick brown fox"}
+
+
+@pytest.fixture(scope="module")
+def fleet(can_make_hosts: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    from kvtier.demo import ensure_demo_model
+
+    model = str(ensure_demo_model())
+    root = tmp_path_factory.mktemp("fleet")
+    fleet = Fleet(Network(), root, secret("token"), secret("cluster"))
+    try:
+        for _ in range(2):
+            fleet.add_instance()
+        fleet.start_baseline(model)
+        fleet.wait_serving(fleet.client.url(API_PORT), fleet.baseline, root / "baseline.log")
+        fleet.prompts = _prompts()
+        fleet.expected = {
+            name: fleet.complete(fleet.client.url(API_PORT), p)["choices"][0]["text"]
+            for name, p in fleet.prompts.items()}
+        fleet.stop_baseline()
+        for instance in fleet.instances:
+            fleet.wait_serving(instance.url, instance.popen, instance.log)
+        fleet.start_router()
+        yield fleet
+    finally:
+        fleet.close()
+
+
+def node_stats(fleet: Fleet, node: str) -> dict[str, Any]:
+    status, doc = fleet.client.call(http, node + "/v1/stats", token=fleet.token)
+    assert status == 200, (status, doc)
+    return dict(doc)
+
+
+def shared_chunks(fleet: Fleet, node: str) -> int:
+    return int(node_stats(fleet, node)["tiers"]["shared"]["chunks"])
+
+
+def test_a_prefix_computed_on_one_host_is_loaded_on_another_with_the_same_tokens(
+        fleet: Fleet) -> None:
+    one, two = fleet.instances
+    prompt = fleet.prompts["direct"]
+    before = shared_chunks(fleet, two.node)
+    first = fleet.complete(one.url, prompt)
+    chunks = first["usage"]["prompt_tokens"] // CHUNK
+    assert chunks >= 4 and first["kv_transfer_params"]["kvtier"]["stored_chunks"] == chunks
+    wait_for(lambda: shared_chunks(fleet, two.node) >= before + chunks, timeout_s=30,
+             every_s=0.3, what="host 2's node server sees host 1's chunks in S3")
+    second = fleet.complete(two.url, prompt)
+    assert second["kv_transfer_params"]["kvtier"]["tokens"].get("shared") == chunks * CHUNK
+    expected = fleet.expected["direct"]
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == expected
+
+
+def test_through_the_router_tokens_equal_a_run_without_kvtier(fleet: Fleet) -> None:
+    for name in ("routed", "short"):
+        prompt = fleet.prompts[name]
+        for _ in range(2):  # computed, then from a cache
+            answer = fleet.complete(fleet.router_url, prompt)
+            assert answer["choices"][0]["text"] == fleet.expected[name]
+
+
+def test_the_node_api_refuses_lookups_without_the_token(fleet: Fleet) -> None:
+    for instance in fleet.instances:
+        for path in ("/v1/stats", "/v1/namespaces"):
+            status, _ = fleet.client.call(http, instance.node + path)
+            assert status == 401
+        status, health = fleet.client.call(http, instance.node + "/healthz")
+        assert status == 200 and health["ok"]
+
+
+def test_kvtier_verify_passes_across_hosts(fleet: Fleet) -> None:
+    result = fleet.client.run([sys.executable, "-m", "kvtier", "verify", "--url",
+                               fleet.router_url], timeout_s=600, env=fleet.env)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for step in range(1, 6):
+        assert re.search(rf"^\[{step}/5\] .* ok ", result.stdout, re.M), result.stdout
+    assert "all 5 steps passed" in result.stdout
+    assert "the router lists 2 instance(s) and their node servers" in result.stdout
+
+
+def test_a_host_whose_processes_are_killed_is_routed_around(fleet: Fleet) -> None:
+    """Sequential requests through the router (one in flight at a time); host 2's processes
+    are killed after a few: at most the one in flight fails, every later one is answered."""
+    victim = fleet.instances[1]
+    outcomes: list[tuple[float, bool]] = []
+    stop = threading.Event()
+
+    def send() -> None:
+        deadline = time.monotonic() + 240
+        for n in range(16):
+            if stop.is_set() or time.monotonic() > deadline:
+                return
+            body = {"model": "kvtier-demo", "prompt": f"{n} {uuid.uuid4().hex} fox",
+                    "max_tokens": 4, "temperature": 0.0}
+            try:
+                status, _ = fleet.client.call(http, fleet.router_url + "/v1/completions",
+                                              body, timeout_s=120, wait_s=90)
+            except OSError:
+                status = 0
+            outcomes.append((time.monotonic(), status == 200))
+
+    served_before = served(fleet, victim.url)
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    wait_for(lambda: len(outcomes) >= 4 and served(fleet, victim.url) > served_before,
+             timeout_s=120, what="host 2 serving some of the requests before the kill")
+    killed_at = time.monotonic()
+    for pid in ns_pids(victim.host.name):
+        os.kill(pid, signal.SIGKILL)
+    thread.join(300)
+    stop.set()
+    assert len(outcomes) == 16, outcomes
+    failed = [t for t, ok in outcomes if not ok]
+    assert len(failed) <= 1, outcomes
+    after = [ok for t, ok in outcomes if t > killed_at]
+    assert after[1:] and all(after[1:]), outcomes
+    assert f"backend {victim.url} is out" in (fleet.root / "router.log").read_text()
+
+
+def served(fleet: Fleet, url: str) -> float:
+    """Requests the vLLM at ``url`` finished (its /metrics)."""
+    status, text = fleet.client.call(http, url + "/metrics")
+    assert status == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in str(text).splitlines()
+               if line.startswith("vllm:request_success_total"))
