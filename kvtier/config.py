@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 import msgspec
 import yaml
 
+from kvtier.address import advertised_host, check_host, is_wildcard
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -200,6 +201,10 @@ class AuthConfig(ConfigStruct, frozen=True):
     """Instead of the variable: a file (mode 600) holding the token."""
     metrics_need_token: bool = False
     """Whether ``/metrics`` asks for the token too."""
+    allow_remote_http_without_token: bool = False
+    """Let the HTTP API bind an address beyond loopback (``metrics_host``) without a token,
+    answering anyone who reaches it; without this such a bind is refused
+    (:mod:`kvtier.address`)."""
 
 
 class ServerConfig(ConfigStruct, frozen=True):
@@ -209,6 +214,10 @@ class ServerConfig(ConfigStruct, frozen=True):
     tiers: tuple[TierConfig, ...] = ()
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    """The address the HTTP API binds; beyond loopback only with the node token (``auth``)."""
+    metrics_advertise_host: str | None = None
+    """The address others reach the HTTP API at (``/healthz``'s ``url``); default
+    ``metrics_host``, required when that is a wildcard (0.0.0.0, ::)."""
     lease_ttl_s: float = 30.0
     orphan_grace_s: float = 10.0
     """A client that disconnects keeps its leases and reservations this long: another
@@ -238,6 +247,10 @@ class ServerConfig(ConfigStruct, frozen=True):
                               "frame_timeout_s > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in [0, 65535] (0 picks a free port)")
+        if self.metrics_port is not None:
+            if not is_wildcard(self.metrics_host):
+                check_host(self.metrics_host, "metrics_host")
+            advertised_host(self)
         names = [tier.name for tier in self.tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tiers: names must be unique, got {names}")

@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.address import check_exposure
 from kvtier.config import AuthConfig, ServerConfig, parse_size, runtime_dir
 from kvtier.demo.model import DEMO_NAME
 from kvtier.errors import ConfigError
@@ -94,6 +95,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="socket of the embedded server (default: one per serve process)")
     p.add_argument("--kvtier-metrics-port", type=int, metavar="PORT",
                    help="serve the embedded server's Prometheus metrics on this port")
+    p.add_argument("--kvtier-metrics-host", metavar="HOST",
+                   help="the address the embedded server's HTTP API binds (default "
+                   "127.0.0.1); beyond loopback it needs the node token (see docs/server.md)")
+    p.add_argument("--kvtier-advertise-host", metavar="HOST",
+                   help="the address others (a router, kvtier verify) reach that API at "
+                   "(default: --kvtier-metrics-host; needed when that is 0.0.0.0 or ::)")
+    p.add_argument("--allow-remote-http-without-token", action="store_true",
+                   help="let --kvtier-metrics-host bind beyond loopback without a node "
+                   "token: lookups then answer anyone who reaches it")
     p.add_argument("--node-token-file", metavar="FILE",
                    help="the node server's HTTP token (/v1/lookup, /v1/stats, "
                    "/v1/namespaces ask for it) from FILE (mode 600); default: "
@@ -158,6 +168,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         else:
             extra["server_socket"] = server_dict["socket_path"]
             server = ConnectorConfig(server=server_dict).server_config(payload)
+            _check_exposure(server)
     ConnectorConfig.from_extra_config(extra)  # fail here, not in vLLM's EngineCore
     transfer = {
         "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
@@ -212,12 +223,33 @@ def _server_dict(args: argparse.Namespace) -> dict[str, Any]:
     server.setdefault("socket_path", args.socket_path or _default_socket())
     if args.kvtier_metrics_port is not None:
         server["metrics_port"] = args.kvtier_metrics_port
+    if args.kvtier_metrics_host:
+        server["metrics_host"] = args.kvtier_metrics_host
+    if args.kvtier_advertise_host:
+        server["metrics_advertise_host"] = args.kvtier_advertise_host
+    if (args.kvtier_metrics_host or args.kvtier_advertise_host) \
+            and server.get("metrics_port") is None:
+        raise ConfigError("--kvtier-metrics-host / --kvtier-advertise-host: give the HTTP "
+                          "API's port too (--kvtier-metrics-port PORT)")
+    if args.allow_remote_http_without_token:
+        _auth(server, args)["allow_remote_http_without_token"] = True
     if args.node_token_file:
-        auth = server.setdefault("auth", {})
-        if not isinstance(auth, dict):
-            raise ConfigError(f"{args.server_config}: auth: expected a mapping")
-        auth["http_token_file"] = check_token_file(args.node_token_file)
+        _auth(server, args)["http_token_file"] = check_token_file(args.node_token_file)
     return server
+
+
+def _auth(server: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    auth = server.setdefault("auth", {})
+    if not isinstance(auth, dict):
+        raise ConfigError(f"{args.server_config}: auth: expected a mapping")
+    return auth
+
+
+def _check_exposure(server: ServerConfig) -> None:
+    """A node API bound beyond loopback without a token fails here, before vLLM starts."""
+    from kvtier.server.node import http_token
+
+    check_exposure(server, http_token(server) is not None)
 
 
 def _given(argv: Sequence[str], flag: str) -> bool:

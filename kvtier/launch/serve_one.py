@@ -54,7 +54,7 @@ def serve_one(plan: ServePlan, demo: bool) -> int:
         server = EmbeddedServer(plan.server)
         server.start()
     try:
-        return _run_vllm(plan, demo, log_file)
+        return _run_vllm(plan, demo, log_file, server.http_url if server else None)
     finally:
         if server is not None:
             server.stop()  # frees the arena however vLLM ended
@@ -80,7 +80,8 @@ def _open_log(path: Path | None) -> IO[str] | None:
     return open(path, "w", buffering=1)  # closed by serve_one
 
 
-def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
+def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None,
+              node_url: str | None) -> int:
     from kvtier.launch.demo_request import DEV_MODE_ENV, demonstrate
 
     env = {**os.environ, **(DEV_MODE_ENV if demo else {})}
@@ -101,7 +102,7 @@ def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
                    if plan.log_file else ""))
             return 1
         return 0
-    _say_up(plan, model, time.monotonic() - started)
+    _say_up(plan, model, time.monotonic() - started, node_url)
     if demo:
         try:
             return demonstrate(plan.base_url, model)
@@ -117,16 +118,15 @@ def _run_vllm(plan: ServePlan, demo: bool, log_file: IO[str] | None) -> int:
     return rc
 
 
-def _say_up(plan: ServePlan, model: str, took_s: float) -> None:
+def _say_up(plan: ServePlan, model: str, took_s: float, node_url: str | None) -> None:
     say(f"kvtier serve: up in {took_s:.0f} s at {plan.base_url}/v1 (model {model!r})")
     if plan.server is not None:
         say(f"  tiers: {tiers_line(plan.server)}")
-        if plan.server.metrics_port is not None:
+        if node_url is not None:
             auth = plan.server.auth
             token = auth.http_token_file or (os.environ.get(auth.http_token_env)
                                              and f"${auth.http_token_env}")
-            say(f"  node server: http://{plan.server.metrics_host}:"
-                f"{plan.server.metrics_port} (/metrics, /v1/stats"
+            say(f"  node server: {node_url} (/metrics, /v1/stats"
                 + (f"; /v1/* need the bearer token in {token})" if token else ")"))
     else:
         say(f"  tiers: those of the kvtier server at {plan.socket_path}")

@@ -44,7 +44,10 @@ NODE_TOKEN_ENV = AuthConfig().http_token_env
 MAX_INSTANCES = 100
 _ONE_INSTANCE = {"server_config": "--server-config", "server_socket": "--server-socket",
                  "socket_path": "--socket-path", "kvtier_metrics_port": "--kvtier-metrics-port",
-                 "log_file": "--log-file", "demo_request": "--demo-request"}
+                 "log_file": "--log-file", "demo_request": "--demo-request",
+                 "kvtier_metrics_host": "--kvtier-metrics-host",
+                 "kvtier_advertise_host": "--kvtier-advertise-host",
+                 "allow_remote_http_without_token": "--allow-remote-http-without-token"}
 
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:

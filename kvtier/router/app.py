@@ -7,6 +7,8 @@
                                                                    failed before any byte
     health monitor: /health, /v1/models, /metrics of each backend; /v1/namespaces of each
     node server, every --health-interval-s
+    discovery (--backends-dns / --backends-file): the backends' set, every
+    --discovery-interval-s; a newcomer is checked at once, one that left is drained
 
 ``/v1/*`` and ``/kvtier/backends`` (who is behind the router, for ``kvtier verify --url``:
 internal addresses, so not for anyone) need ``Authorization: Bearer KEY`` when a key is
@@ -33,9 +35,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.router.accounting import Accounting
-from kvtier.router.backends import Backend, BackendPool
+from kvtier.router.backends import Backend, BackendPool, Membership
 from kvtier.router.config import RouterConfig
 from kvtier.router.cost import RECOMPUTED, estimate_header
+from kvtier.router.discovery import Discovery, make_source
 from kvtier.router.health import HealthMonitor
 from kvtier.router.history import DeviceHistory
 from kvtier.router.holdings import Holdings
@@ -54,6 +57,7 @@ from kvtier.router.proxy import (
 )
 from kvtier.router.redact import Scrubber, ScrubFilter, redact_url, userinfo
 from kvtier.router.request import ENDPOINTS, BodyTooLarge, RoutedRequest, read_body
+from kvtier.router.sources import Resolver
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
 from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
 
@@ -65,14 +69,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, resolve: Resolver | None = None) -> None:
+        """``resolve``: how ``--backends-dns`` names are resolved (default: the system
+        resolver; tests give their own)."""
         self.config = config
+        self._resolve = resolve
         self.metrics = RouterMetrics()
         if config.parts_file:
             self.metrics.registry.register(PartsCollector(Path(config.parts_file)))
         self.pool = BackendPool(config)
         self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens, self.pool)
         self.pool.listeners.append(self._on_health)
+        self.pool.watchers.append(self)
         self.renderers = Renderers()
         self.history = DeviceHistory(config.cost.device_ttl_s)
         self.holdings = Holdings(config.cost.lookup_memory_s)
@@ -100,6 +108,7 @@ class Router:
         self._watch = LoopWatch(self.metrics.loop_lag)
         self.strategy: Strategy | None = None
         self._lookups: NodeLookups | None = None
+        self.discovery: Discovery | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -123,6 +132,12 @@ class Router:
         for backend in self.pool:
             self.metrics.up.labels(backend.name).set(0)
         await self._health.start()
+        if self.config.discovery is not None:
+            found = self.config.discovery
+            self.discovery = Discovery(make_source(found, self._resolve), self.pool,
+                                       found.interval_s, self.metrics,
+                                       self._health.check_some)
+            await self.discovery.start()
         await self._watch.start()
         app = web.Application(middlewares=[self._guard],
                               client_max_size=self.config.max_body_bytes)
@@ -163,6 +178,8 @@ class Router:
             return False
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self._watch.stop()
         if self._health is not None:
             await self._health.stop()
@@ -216,7 +233,8 @@ class Router:
         /metrics' labels."""
         doc = [{"url": b.name, "node": redact_url(b.node_url) if b.node_url else None,
                 "up": b.healthy, "reason": b.reason} for b in self.pool]
-        return web.json_response({"backends": doc})
+        draining = [{"url": b.name, "in_flight": b.active} for b in self.pool.leaving.values()]
+        return web.json_response({"backends": doc, "draining": draining})
 
     async def _models_handler(self, request: web.Request) -> web.Response:
         seen: dict[str, dict[str, Any]] = {}
@@ -273,8 +291,11 @@ class Router:
                 time.perf_counter() - start)
             if not tried and req.keys_of.keying_s:
                 self.metrics.keying_time.observe(req.keys_of.keying_s)
-            self.metrics.decisions.labels(self.strategy.name, decision.reason).inc()
+            if decision.backend.membership is not Membership.MEMBER:
+                continue  # it left while the strategy chose: choose again among members
             tried.append(decision.backend.index)
+            self.metrics.decisions.labels(self.strategy.name, decision.reason).inc()
+            self.pool.started(decision.backend)
             try:
                 return await self._attempt(req, decision, request, received)
             except BackendFailed as exc:
@@ -290,6 +311,8 @@ class Router:
                             backend.name, exc)
                 if exc.down:
                     self.pool.set_health(backend, False, self.scrub(str(exc)))
+            finally:
+                self.pool.finished(decision.backend)
 
     async def _backend_back(self, model: str | None, received: float) -> bool:
         """Whether a backend came back within ``no_backend_wait_s`` of the request's arrival
@@ -362,6 +385,30 @@ class Router:
     def _session_or_fail(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Router.start() first"
         return self._session
+
+    # ------------------------------------------------------------------ membership
+
+    def joined(self, backend: Backend) -> None:
+        self.metrics.up.labels(backend.name).set(0)  # out until its first health check
+
+    def left(self, backend: Backend) -> None:
+        self.metrics.up.labels(backend.name).set(0)
+        self._keep_nodes()
+
+    def gone(self, backend: Backend) -> None:
+        self.history.forget(backend.index)
+        self.metrics.forget_backend(backend.name, redact_url(backend.node_url)
+                                    if backend.node_url else None)
+        self.metrics.draining.set(len(self.pool.leaving))
+        self._keep_nodes()
+
+    def _keep_nodes(self) -> None:
+        """What the router remembers of node servers: only those of backends it has."""
+        nodes = [b.node_url for b in [*self.pool, *self.pool.leaving.values()] if b.node_url]
+        self.holdings.keep(nodes)
+        if self._lookups is not None:
+            self._lookups.keep(nodes)
+        self.metrics.draining.set(len(self.pool.leaving))
 
     def _on_health(self, backend: Backend, healthy: bool) -> None:
         self.metrics.up.labels(backend.name).set(1 if healthy else 0)

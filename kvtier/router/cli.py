@@ -22,11 +22,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("route", allow_abbrev=False,
                        help="OpenAI-compatible router in front of vLLM instances "
                        "(cache-aware with kvtier node servers)")
-    p.add_argument("--backends", required=True, metavar="URL,URL",
-                   help="the instances' OpenAI-compatible base URLs")
+    p.add_argument("--backends", metavar="URL,URL",
+                   help="the instances' OpenAI-compatible base URLs (a fixed list; or find "
+                   "them with --backends-dns / --backends-file)")
     p.add_argument("--kvtier-servers", metavar="URL,URL",
                    help="each backend's node-server HTTP API (its metrics_port), same order; "
                    "needed by the cache and prefix strategies")
+    found = p.add_argument_group("finding the backends (docs/router.md)")
+    found.add_argument("--backends-dns", metavar="http://NAME:PORT",
+                       help="each address NAME resolves to (a Kubernetes headless Service) is "
+                       "a backend at that PORT; re-resolved every --discovery-interval-s")
+    found.add_argument("--backends-file", metavar="FILE",
+                       help="the backends FILE lists (a URL a line, optionally its node "
+                       "server's URL after it; or a YAML/JSON list); re-read every "
+                       "--discovery-interval-s")
+    found.add_argument("--kvtier-server-port", type=int, metavar="PORT",
+                       help="a discovered backend's node server: http://ITS-ADDRESS:PORT")
+    found.add_argument("--discovery-interval-s", type=float, default=5.0,
+                       help="how often the name is resolved / the file read (default: "
+                       "%(default)s)")
+    found.add_argument("--discovery-timeout-s", type=float, default=2.0,
+                       help="a resolution not answered by then fails; the last good set is "
+                       "kept (default: %(default)s)")
+    found.add_argument("--max-backends", type=int, default=64,
+                       help="at most this many discovered backends; the rest are left out "
+                       "(default: %(default)s)")
     p.add_argument("--strategy", choices=STRATEGY_NAMES, default="roundrobin")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from kvtier.auth import read_secrets
 from kvtier.errors import ConfigError
 from kvtier.router.redact import redact_url, userinfo
+from kvtier.router.sources import DnsName
 from kvtier.router.tenants import Tenants, load_tenants
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -44,10 +45,31 @@ class CostModel:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Where the backends are found when they are not a fixed list (docs/router.md)."""
+
+    dns: DnsName | None = None
+    """``--backends-dns``: each address of the name is a backend."""
+    file: Path | None = None
+    """``--backends-file``: the backends it lists."""
+    node_port: int | None = None
+    """``--kvtier-server-port``: each backend's node server, at the backend's address."""
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    """A DNS resolution not answered by then fails (the last good set is kept)."""
+    max_backends: int = 64
+
+    def __post_init__(self) -> None:
+        if (self.dns is None) == (self.file is None):
+            raise ConfigError("discovery: give --backends-dns or --backends-file (one)")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     backends: tuple[str, ...]
     kvtier_servers: tuple[str | None, ...]
-    """Each backend's node-server HTTP API (same order), or None."""
+    """Each backend's node-server HTTP API (same order), or None. Both empty with
+    ``discovery``: the backends are found at run time."""
     strategy: str = "roundrobin"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -73,8 +95,12 @@ class RouterConfig:
     """Sent as ``Authorization: Bearer`` on every call to a node server's HTTP API."""
     parts_file: str | None = None
     """A stack.json whose parts' states /metrics shows (``kvtier serve --instances``)."""
+    discovery: DiscoveryConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.discovery is not None and self.backends:
+            raise ConfigError("--backends and --backends-dns / --backends-file: give one "
+                              "source of backends")
         if self.backend_api_key and any(userinfo(u) for u in self.backends):
             raise ConfigError("--backend-api-key-*: a backend URL carries credentials "
                               "(user:password@) too; give one or the other")
@@ -93,10 +119,15 @@ class RouterConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
-        backends = parse_urls(args.backends, "--backends")
-        if not backends:
-            raise ConfigError("--backends: give at least one URL")
+        discovery = _discovery(args)
+        backends = parse_urls(args.backends or "", "--backends")
+        if discovery is None and not backends:
+            raise ConfigError("--backends: give at least one URL (or find them with "
+                              "--backends-dns / --backends-file)")
         servers: tuple[str | None, ...] = (None,) * len(backends)
+        if args.kvtier_servers and discovery is not None:
+            raise ConfigError("--kvtier-servers is for --backends; discovered backends' "
+                              "node servers are at --kvtier-server-port on their address")
         if args.kvtier_servers:
             given = parse_urls(args.kvtier_servers, "--kvtier-servers")
             if len(given) != len(backends):
@@ -125,7 +156,39 @@ class RouterConfig:
             max_body_bytes=int(_positive(args.max_body_bytes, "--max-body-bytes")),
             tenants=_tenants(args, api_key),
             node_token=_first_secret(args.node_token_env, args.node_token_file, "node token"),
-            parts_file=getattr(args, "parts_file", None))
+            parts_file=getattr(args, "parts_file", None), discovery=discovery)
+
+
+MAX_BACKENDS = 1024
+"""The highest --max-backends accepted."""
+
+
+def _discovery(args: argparse.Namespace) -> DiscoveryConfig | None:
+    dns, file = getattr(args, "backends_dns", None), getattr(args, "backends_file", None)
+    node_port = getattr(args, "kvtier_server_port", None)
+    if dns is None and file is None:
+        if node_port is not None:
+            raise ConfigError("--kvtier-server-port is for discovered backends "
+                              "(--backends-dns / --backends-file); with --backends give "
+                              "--kvtier-servers")
+        return None
+    if args.backends:
+        raise ConfigError("--backends and --backends-dns / --backends-file: give one "
+                          "source of backends")
+    if dns is not None and file is not None:
+        raise ConfigError("--backends-dns and --backends-file: give one of them")
+    if node_port is not None and not 1 <= node_port <= 65535:
+        raise ConfigError(f"--kvtier-server-port: must be in [1, 65535], got {node_port}")
+    most = int(args.max_backends)
+    if not 1 <= most <= MAX_BACKENDS:
+        raise ConfigError(f"--max-backends: must be in [1, {MAX_BACKENDS}], got {most}")
+    return DiscoveryConfig(
+        dns=DnsName.parse(dns) if dns is not None else None,
+        file=Path(file).expanduser().absolute() if file is not None else None,
+        node_port=node_port,
+        interval_s=_positive(args.discovery_interval_s, "--discovery-interval-s"),
+        timeout_s=_positive(args.discovery_timeout_s, "--discovery-timeout-s"),
+        max_backends=most)
 
 
 def _tenants(args: argparse.Namespace, api_key: str | None) -> Tenants | None:

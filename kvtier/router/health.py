@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -47,7 +48,11 @@ class HealthMonitor:
             self._recheck = asyncio.create_task(self._check_some(out))
         await asyncio.shield(self._recheck)
 
-    async def _check_some(self, backends: list[Backend]) -> None:
+    async def check_some(self, backends: Sequence[Backend]) -> None:
+        """Check ``backends`` now (newcomers: they take requests once they answer)."""
+        await self._check_some(backends)
+
+    async def _check_some(self, backends: Sequence[Backend]) -> None:
         try:
             await asyncio.gather(*(self.check(b) for b in backends))
         except Exception:  # a failed recheck leaves them out; the next round tries again

@@ -162,6 +162,13 @@ class Holdings:
         """The node server (or its backend) went away: its arena is gone."""
         self._nodes.pop(url, None)
 
+    def keep(self, urls: Iterable[str]) -> None:
+        """Forget every node server but ``urls`` (the backends' set changed; an answer that
+        came in late from one that left is dropped here too)."""
+        kept = set(urls)
+        for url in [u for u in self._nodes if u not in kept]:
+            del self._nodes[url]
+
     # ------------------------------------------------------------------ recalling
 
     def recall(self, url: str, keys: Sequence[ChunkKey]) -> Answer | None:

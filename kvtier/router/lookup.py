@@ -112,6 +112,13 @@ class NodeLookups:
             self.took.observe(time.perf_counter() - start)
         return answers
 
+    def keep(self, urls: Iterable[str]) -> None:
+        """Forget the breakers of every node server but ``urls`` (the backends' set
+        changed)."""
+        kept = set(urls)
+        for url in [u for u in self._breakers if u not in kept]:
+            del self._breakers[url]
+
     async def close(self) -> None:
         """Cancels the lookups still out in the background (before the session closes: they
         would fail against it, and count as the node server's failures)."""

@@ -92,5 +92,25 @@ class RouterMetrics:
                                   "asked the router's event loop woke a task that sleeps "
                                   "50 ms at a time: time every request in flight waited "
                                   "(docs/router.md)", buckets=_LATENCY, registry=r)
+        self.discovered = Gauge("kvtier_router_backends_discovered", "Backends the "
+                                "discovery source (--backends-dns / --backends-file) lists "
+                                "now: the router's members", registry=r)
+        self.draining = Gauge("kvtier_router_backends_draining", "Backends that left the "
+                              "discovered set and still have requests in flight",
+                              registry=r)
+        self.membership = Counter("kvtier_router_backend_changes", "Backends that joined or "
+                                  "left the discovered set", ["change"], registry=r)
+        self.discovery_failures = Counter("kvtier_router_discovery_failures", "Discovery "
+                                          "rounds that failed (the last good set was kept)",
+                                          registry=r)
         self.lookup_failures = Counter("kvtier_router_lookup_failures", "Node-server lookups "
                                        "that failed or timed out", ["server"], registry=r)
+
+    def forget_backend(self, name: str, node: str | None) -> None:
+        """Drop a backend's series (it left: churn must not grow /metrics for ever)."""
+        for metric in (self.requests, self.latency, self.first_byte, self.retries,
+                       self.timeouts, self.up, self.in_flight, self.others, self.speed,
+                       self.predicted_tokens, self.actual_tokens, self.predicted_ttft):
+            metric.remove_by_labels({"backend": name})
+        if node is not None:
+            self.lookup_failures.remove_by_labels({"server": node})

@@ -3,7 +3,8 @@
 ::
 
     GET  /metrics          Prometheus text format              (token: if metrics_need_token)
-    GET  /healthz          {"ok": true, "instance": ..., "tiers": {name: breaker state}}
+    GET  /healthz          {"ok": true, "instance": ..., "url": advertised URL,
+                            "tiers": {name: breaker state}}
     GET  /v1/namespaces    [{"namespace": hex, "model": ..., "chunk_tokens": ..., ...}]
                            what engines registered (so a router can compute their keys)
                                                                (token)
@@ -13,11 +14,13 @@
                            the longest available prefix of the keys and when each could be
                            in the arena (the ``cache`` routing strategy asks this)  (token)
 
-It binds ``metrics_host`` (127.0.0.1 by default). It reveals no KV, but ``/v1/lookup`` tells
-whoever can compute a prompt's keys whether that prompt is cached, and ``/v1/namespaces``
-hands out the fingerprints needed to compute them. With a token (``auth.http_token_env`` /
-``auth.http_token_file``) those paths answer only ``Authorization: Bearer TOKEN``; without
-one they answer anyone who can reach the bound address.
+It binds ``metrics_host`` (127.0.0.1 by default; beyond loopback only with a token, see
+:mod:`kvtier.address`) and tells in ``/healthz`` the URL others reach it at. It reveals
+no KV, but ``/v1/lookup`` tells whoever can compute a prompt's keys whether that prompt
+is cached, and ``/v1/namespaces`` hands out the fingerprints needed to compute them. With
+a token (``auth.http_token_env`` / ``auth.http_token_file``) those paths answer only
+``Authorization: Bearer TOKEN``; without one they answer anyone who can reach the bound
+address.
 
 Connections: at most ``max_connections`` at once, and each request — its headers and body —
 must arrive whole within ``deadline_s`` of the connection opening or of the previous answer
@@ -195,6 +198,8 @@ class NodeHTTP:
         handler = type("Handler", (_Handler,), {"node": self, "deadline_s": deadline_s})
         self.server = _BoundedServer((host, port), handler, max_connections)
         self.port = int(self.server.server_address[1])
+        self.url: str | None = None
+        """The advertised URL (``/healthz``), set by whoever knows it."""
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True,
                                         name="kvtier-http")
 
@@ -235,7 +240,8 @@ class NodeHTTP:
             return 200, CONTENT_TYPE_LATEST, generate_latest(store.metrics.registry)
         if path == "/healthz":
             tiers = {s.name: s.breaker.state.name.lower() for s in store.tiers}
-            return _json({"ok": True, "instance": store.instance, "tiers": tiers})
+            return _json({"ok": True, "instance": store.instance, "url": self.url,
+                          "tiers": tiers})
         if path == "/v1/namespaces":
             # the full fingerprint wins over an engine's short form (its first 16 hex)
             return _json([{**info, "namespace": fp.hex()}

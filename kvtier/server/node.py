@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any
 
+from kvtier import address
+from kvtier.address import advertised_host, check_exposure
 from kvtier.auth import read_secrets
 from kvtier.config import ServerConfig
 from kvtier.errors import ConfigError, ProtocolError
@@ -61,11 +63,16 @@ class NodeServer:
         self._refusing = threading.BoundedSemaphore(REFUSING)
         self._threads: list[threading.Thread] = []
         self._http: NodeHTTP | None = None
+        self.http_url: str | None = None
+        """The HTTP API's advertised URL (``http://metrics_advertise_host:PORT``) once
+        started; None without ``metrics_port``."""
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> NodeServer:
         """Bind, build the store, index lower tiers and start serving in threads."""
+        token = http_token(self.config)  # a bad token source or exposure fails first
+        check_exposure(self.config, token is not None)
         self._listener = self._bind()
         for name in arena.sweep_stale():
             log.warning("removed arena %s left by a server that died", name)
@@ -76,7 +83,7 @@ class NodeServer:
             self.service = Service(self.store, self.config.access_log,
                                    self.config.max_report_series)
             self.sessions = Sessions(self.store, self.config.orphan_grace_s)
-            self._start_metrics()
+            self._start_metrics(token)
         except BaseException:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
@@ -275,19 +282,22 @@ class NodeServer:
             except Exception:  # keep the server alive; the next round retries
                 log.exception("housekeeping failed")
 
-    def _start_metrics(self) -> None:
+    def _start_metrics(self, token: bytes | None) -> None:
         if self.config.metrics_port is None:
             return
         assert self.service is not None
         auth = self.config.auth
-        token = http_token(self.config)
+        advertised = advertised_host(self.config)
         self._http = NodeHTTP(self.service, self.config.metrics_host, self.config.metrics_port,
                               deadline_s=max(self.config.frame_timeout_s, 1.0), token=token,
-                              metrics_need_token=auth.metrics_need_token).start()
+                              metrics_need_token=auth.metrics_need_token)
         self.metrics_port = self._http.port
+        self.http_url = self._http.url = address.url(advertised, self.metrics_port)
+        self._http.start()
         guarded = ", ".join(sorted(self._http.protected))
-        log.info("metrics and lookups on http://%s:%d/ (/metrics, /v1/lookup); %s",
-                 self.config.metrics_host, self.metrics_port,
+        log.info("metrics and lookups bound on %s port %d, advertised as %s "
+                 "(/metrics, /v1/lookup); %s",
+                 self.config.metrics_host, self.metrics_port, self.http_url,
                  f"{guarded} need the bearer token" if token else
                  f"no token set ({auth.http_token_env} / auth.http_token_file): "
                  f"{guarded} answer anyone who reaches it")

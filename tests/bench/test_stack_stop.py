@@ -89,7 +89,7 @@ def test_kvtier_serve_stops_what_vllm_left_when_it_died_before_ready(tmp_path: P
                            base_url=f"http://127.0.0.1:{free_port()}")
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        rc = serve_one._run_vllm(plan, False, None)  # type: ignore[arg-type]
+        rc = serve_one._run_vllm(plan, False, None, None)  # type: ignore[arg-type]
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 
 from kvtier.router.backends import Backend
 from kvtier.router.request import RoutedRequest
-from kvtier.router.ring import HashRing
 from kvtier.router.strategies.base import Decision, RoutingContext, Strategy
-from kvtier.router.strategies.session import ring_pick
+from kvtier.router.strategies.session import PoolRing, ring_pick
 
 
 class PrefixAffinity(Strategy):
@@ -23,7 +22,7 @@ class PrefixAffinity(Strategy):
 
     def __init__(self, ctx: RoutingContext) -> None:
         super().__init__(ctx)
-        self.ring = HashRing([b.url for b in ctx.pool])
+        self.ring = PoolRing(ctx.pool)
 
     async def choose(self, request: RoutedRequest, candidates: Sequence[Backend]) -> Decision:
         ns = next((ns for b in candidates if (ns := b.namespace_for(request.model))), None)
@@ -33,5 +32,7 @@ class PrefixAffinity(Strategy):
         n = self.ctx.config.prefix_chunks
         if len(keys.keys) < n:
             return Decision(self.next_in_turn(candidates), "short")
-        decision = ring_pick(self.ring, keys.keys[n - 1], candidates)
+        decision = ring_pick(self.ring.now(), keys.keys[n - 1], candidates)
+        if decision is None:
+            return Decision(self.next_in_turn(candidates), "rehash", keys=keys)
         return Decision(decision.backend, decision.reason, keys=keys)
