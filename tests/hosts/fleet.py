@@ -28,6 +28,8 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "10240", "--num-gpu-bloc
                "96"]
 MODEL = "kvtier-demo"
 READY_S = 600.0
+DISCOVERY_S = 2.0
+"""The router re-reads its backends file this often."""
 
 
 @dataclass
@@ -143,11 +145,23 @@ class Fleet:
         wait_for(up, timeout_s=READY_S, every_s=1.0, what=f"vLLM at {url}", popen=popen,
                  log=log)
 
+    @property
+    def backends_file(self) -> Path:
+        return self.root / "backends.txt"
+
+    def list_backends(self) -> None:
+        """Write the router's backends file (atomically: a new file renamed over the old)."""
+        new = self.backends_file.with_suffix(".new")
+        new.write_text("".join(f"{i.url}\n" for i in self.instances))
+        new.replace(self.backends_file)
+
     def start_router(self, *extra: str) -> None:
-        backends = ",".join(i.url for i in self.instances)
-        nodes = ",".join(i.node for i in self.instances)
-        argv = [sys.executable, "-m", "kvtier", "route", "--backends", backends,
-                "--kvtier-servers", nodes, "--strategy", "cache", "--host",
+        """``kvtier route --strategy cache`` following the backends file; each backend's node
+        server at NODE_PORT on its address."""
+        self.list_backends()
+        argv = [sys.executable, "-m", "kvtier", "route", "--backends-file",
+                str(self.backends_file), "--kvtier-server-port", str(NODE_PORT),
+                "--discovery-interval-s", str(DISCOVERY_S), "--strategy", "cache", "--host",
                 self.router_host.address, "--port", str(API_PORT), "--health-interval-s",
                 "1", *extra]
         log = self.root / "router.log"

@@ -128,9 +128,9 @@ class Host:
                               timeout=timeout_s, env=env)
 
     def call(self, fn: Callable[..., T], *args: Any, timeout_s: float = 60.0, **kw: Any) -> T:
-        """``fn(*args, **kw)`` in a thread inside this host's namespace."""
+        """``fn(*args, **kw)`` in a thread inside this host's namespace (up to 4 at once)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name,
+            self._pool = ThreadPoolExecutor(4, thread_name_prefix=self.name,
                                             initializer=_enter, initargs=(self.name,))
         return self._pool.submit(fn, *args, **kw).result(timeout=timeout_s)
 

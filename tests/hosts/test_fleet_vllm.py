@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from hosts.fleet import API_PORT, Fleet
+from hosts.fleet import API_PORT, DISCOVERY_S, Fleet
 from hosts.netns import Network, ns_pids, wait_for
 from hosts.services import http, secret
 
@@ -118,42 +118,95 @@ def test_kvtier_verify_passes_across_hosts(fleet: Fleet) -> None:
     assert "the router lists 2 instance(s) and their node servers" in result.stdout
 
 
-def test_a_host_whose_processes_are_killed_is_routed_around(fleet: Fleet) -> None:
-    """Sequential requests through the router (one in flight at a time); host 2's processes
-    are killed after a few: at most the one in flight fails, every later one is answered."""
-    victim = fleet.instances[1]
-    outcomes: list[tuple[float, bool]] = []
-    stop = threading.Event()
+def test_a_third_host_joins_through_discovery_within_one_interval(fleet: Fleet) -> None:
+    """A third instance host starts, is added to the router's backends file, is in the
+    router's rotation within one discovery interval (+ its first health check), and takes
+    requests: a burst of fresh prompts through the router reaches it."""
+    third = fleet.add_instance()
+    fleet.wait_serving(third.url, third.popen, third.log)
+    fleet.list_backends()
+    listed = time.monotonic()
 
-    def send() -> None:
+    def in_rotation() -> bool:
+        status, doc = fleet.client.call(http, fleet.router_url + "/kvtier/backends")
+        assert status == 200, (status, doc)
+        return any(b["url"] == third.url and b["up"] for b in doc["backends"])
+
+    wait_for(in_rotation, timeout_s=DISCOVERY_S + 3.0, every_s=0.1,
+             what="the router takes in the third host")
+    took = time.monotonic() - listed
+    print(f"third host in rotation {took:.2f} s after the file listed it")
+    assert took <= DISCOVERY_S + 1.5, took  # one interval + a health check
+    before = served(fleet, third.url)
+    for burst in range(4):  # bounded: 4 bursts of 3 concurrent requests
+        answers = burst_through_router(fleet, 3, f"join {burst}")
+        assert all(status == 200 for status in answers), answers
+        if served(fleet, third.url) > before:
+            break
+    assert served(fleet, third.url) > before, "no request reached the third host"
+
+
+def burst_through_router(fleet: Fleet, n: int, label: str) -> list[int]:
+    statuses: list[int] = []
+
+    def one(k: int) -> None:
+        body = {"model": "kvtier-demo", "prompt": f"{label} {k} {uuid.uuid4().hex}",
+                "max_tokens": 8, "temperature": 0.0}
+        status, _ = fleet.client.call(http, fleet.router_url + "/v1/completions", body,
+                                      timeout_s=120, wait_s=90)
+        statuses.append(status)
+
+    threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    return statuses
+
+
+def test_a_host_whose_processes_are_killed_is_routed_around(fleet: Fleet) -> None:
+    """Three clients send fresh prompts through the router, one at a time each; host 2's
+    processes are killed (SIGKILL) once it has served some of them. At most the requests in
+    flight at the kill fail; every request sent after it is answered, by the others."""
+    victim = fleet.instances[1]
+    log: list[tuple[float, float, bool]] = []  # (sent, answered, ok)
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
         deadline = time.monotonic() + 240
-        for n in range(16):
-            if stop.is_set() or time.monotonic() > deadline:
+        for n in range(6):
+            if time.monotonic() > deadline:
                 return
-            body = {"model": "kvtier-demo", "prompt": f"{n} {uuid.uuid4().hex} fox",
-                    "max_tokens": 4, "temperature": 0.0}
+            body = {"model": "kvtier-demo", "prompt": f"{c}.{n} {uuid.uuid4().hex} fox",
+                    "max_tokens": 8, "temperature": 0.0}
+            sent = time.monotonic()
             try:
                 status, _ = fleet.client.call(http, fleet.router_url + "/v1/completions",
                                               body, timeout_s=120, wait_s=90)
             except OSError:
                 status = 0
-            outcomes.append((time.monotonic(), status == 200))
+            with lock:
+                log.append((sent, time.monotonic(), status == 200))
 
     served_before = served(fleet, victim.url)
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    wait_for(lambda: len(outcomes) >= 4 and served(fleet, victim.url) > served_before,
-             timeout_s=120, what="host 2 serving some of the requests before the kill")
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: served(fleet, victim.url) > served_before
+             or not any(t.is_alive() for t in threads),
+             timeout_s=240, what="host 2 serving some of the requests before the kill")
+    assert served(fleet, victim.url) > served_before, f"host 2 served none of {log}"
     killed_at = time.monotonic()
     for pid in ns_pids(victim.host.name):
         os.kill(pid, signal.SIGKILL)
-    thread.join(300)
-    stop.set()
-    assert len(outcomes) == 16, outcomes
-    failed = [t for t, ok in outcomes if not ok]
-    assert len(failed) <= 1, outcomes
-    after = [ok for t, ok in outcomes if t > killed_at]
-    assert after[1:] and all(after[1:]), outcomes
+    for t in threads:
+        t.join(300)
+    assert len(log) == 18, log
+    failed = [(s, a) for s, a, ok in log if not ok]
+    assert all(s < killed_at for s, _ in failed), f"a request sent after the kill failed: {log}"
+    assert len(failed) <= 3, log  # at most one in flight per client
+    assert [ok for s, _, ok in log if s > killed_at], "nothing was sent after the kill"
+    print(f"{len(failed)} of {len(log)} failed (in flight at the kill)")
     assert f"backend {victim.url} is out" in (fleet.root / "router.log").read_text()
 
 
