@@ -20,6 +20,8 @@ import yaml
 
 from hosts.netns import Host, Network, wait_for
 from hosts.services import NODE_PORT, SHARING, HostSeaweedFS, http, key_file, make_bucket
+from kvtier.launch.front import KvEventSources, router_argv
+from kvtier.launch.kv_events import instance_events_config
 from kvtier.launch.plan import allowed_cpus
 
 API_PORT = 8000
@@ -28,6 +30,9 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "10240", "--num-gpu-bloc
                "96"]
 MODEL = "kvtier-demo"
 READY_S = 600.0
+KV_EVENTS_PORT = 5557
+"""Where each instance publishes its KV events: ``tcp://*:PORT``, every address of its own
+host, so a router on another host subscribes to the instance's address, no relay."""
 DISCOVERY_S = 2.0
 """The router re-reads its backends file this often."""
 
@@ -107,6 +112,7 @@ class Fleet:
         instance = Instance(host, self.cpu(i), folder / "serve.log")
         argv = [sys.executable, "-m", "kvtier", "serve", "--server-config", str(config),
                 "--log-file", "-", "--host", host.address, "--port", str(API_PORT),
+                "--kv-events-config", instance_events_config(f"tcp://*:{KV_EVENTS_PORT}"),
                 *ENGINE_ARGS]
         instance.popen = host.spawn(argv, log=instance.log, env={**self.env,
                                     **binding(instance.cpu)}, cpus=[instance.cpu])
@@ -168,7 +174,25 @@ class Fleet:
         self.router = self.router_host.spawn(argv, log=log, env=self.env)
         self.wait_serving(self.router_url, self.router, log)
 
-    def complete(self, url: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
+    def start_vllm_router(self, binary: str) -> str:
+        """vllm-router ``kv_aware`` on a host of its own, subscribed to each instance's KV
+        events on the instance's address; its URL."""
+        host = self.network.add_host("vrouter")
+        sources = KvEventSources(
+            tuple(f"tcp://{i.host.address}:{KV_EVENTS_PORT}" for i in self.instances),
+            128, MODEL)  # the CPU build's default block size
+        argv = router_argv("vllm-router", "kv_aware", host.address, API_PORT,
+                           [i.url for i in self.instances], [], Path(binary),
+                           kv_events=sources,
+                           extra=["--log-level", "debug"])  # its prefix decisions
+        assert argv is not None
+        log = self.root / "vllm-router.log"
+        popen = host.spawn(argv, log=log, env=dict(os.environ))
+        url = host.url(API_PORT)
+        self.wait_serving(url, popen, log)
+        return url
+
+    def complete(self, url: str, prompt: str | list[int], max_tokens: int = 8) -> dict[str, Any]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0}
         status, doc = self.client.call(http, url + "/v1/completions", body, timeout_s=300.0,

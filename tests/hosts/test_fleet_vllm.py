@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from hosts.fleet import API_PORT, DISCOVERY_S, Fleet
+from hosts.fleet import API_PORT, DISCOVERY_S, KV_EVENTS_PORT, Fleet
 from hosts.netns import Network, ns_pids, wait_for
 from hosts.services import http, secret
 
@@ -116,6 +116,65 @@ def test_kvtier_verify_passes_across_hosts(fleet: Fleet) -> None:
         assert re.search(rf"^\[{step}/5\] .* ok ", result.stdout, re.M), result.stdout
     assert "all 5 steps passed" in result.stdout
     assert "the router lists 2 instance(s) and their node servers" in result.stdout
+
+
+def test_vllm_router_kv_aware_reads_each_hosts_kv_events_on_its_own_address(
+        fleet: Fleet) -> None:
+    """Each instance publishes its KV events on its own host (``tcp://*:PORT``: the host's
+    addresses only), and a subscriber on another host receives them: no relay. vllm-router
+    ``kv_aware`` on a host of its own subscribes to each instance's address and routes
+    token-id completions (the only requests it makes a prefix decision for, in 0.1.17) with
+    the text the instances give directly. Not asserted: that it routes a prefix to its
+    holder: its decisions credited 0 prefix tokens here (``credited_prefix_tokens=0``)."""
+    from transformers import AutoTokenizer
+
+    from kvtier.bench.peers import ensure_vllm_router
+    from kvtier.demo import ensure_demo_model
+
+    for instance in fleet.instances:
+        frames = fleet.client.call(events_seen, instance.host.address, lambda i=instance:
+                                   fleet.complete(i.url, f"events {uuid.uuid4().hex}\n"
+                                                 + fleet.prompts["routed"][:3000]))
+        assert frames > 0, f"no KV events from {instance.host.address}:{KV_EVENTS_PORT}"
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
+    url = fleet.start_vllm_router(str(ensure_vllm_router()))
+    for holder in (1, 0):
+        text = f"kv_aware {holder} {uuid.uuid4().hex}\n" + fleet.prompts["routed"][40:6000]
+        prompt = tokenizer(text)["input_ids"]
+        first = fleet.complete(fleet.instances[holder].url, prompt)
+        again = fleet.complete(url, prompt)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    log = re.sub(r"\x1b\[[0-9;]*m", "", (fleet.root / "vllm-router.log").read_text())
+    for instance in fleet.instances:
+        assert (f"subscriber for {instance.url} rank0 on "
+                f"tcp://{instance.host.address}:{KV_EVENTS_PORT}") in log, log[-3000:]
+    decisions = re.findall(r'KV prefix decision outcome="(\w+)"', log)
+    assert decisions.count("prefix_cost") >= 2, decisions
+
+
+def events_seen(address: str, request: Any) -> int:
+    """Frames a ZMQ subscriber on this host gets from ``address``'s KV-event stream while
+    ``request()`` runs (bounded: 5 s after it)."""
+    import zmq
+
+    context = zmq.Context()  # made here: its I/O thread is in this thread's host
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://{address}:{KV_EVENTS_PORT}")
+        time.sleep(0.5)  # the subscription reaches the publisher
+        request()
+        frames, deadline = 0, time.monotonic() + 5
+        while time.monotonic() < deadline and frames < 100:
+            if sub.poll(200):
+                sub.recv_multipart()
+                frames += 1
+            elif frames:
+                break
+        return frames
+    finally:
+        sub.close(linger=0)
+        context.term()
 
 
 def test_a_third_host_joins_through_discovery_within_one_interval(fleet: Fleet) -> None:
