@@ -3,11 +3,11 @@
 ::
 
     root namespace: no address, no route, no link of the test's
-    ┌────────────── kvh-PID-sw ──────────────┐
+    ┌───────────── kvh-PID-N-sw ─────────────┐
     │  bridge br0 (no address)               │
     │   ├─ veth p1 ─────┐   ├─ veth p2 ──┐   │
     └───────────────────┼────────────────┼───┘
-      kvh-PID-h1: eth0 10.213.X.1/24   kvh-PID-h2: eth0 10.213.X.2/24   ...
+      kvh-PID-N-h1: eth0 10.213.X.1/24   kvh-PID-N-h2: eth0 10.213.X.2/24   ...
 
 Every veth is made inside a namespace of the test (``ip -n``), so no link and no address ever
 appears in the root namespace; the subnet has no route out. Processes run in a host with
@@ -17,7 +17,8 @@ in a thread that joined the host's namespace (``setns`` moves only that thread).
 
 ``Network.close`` kills every process it started by its PID, then what else runs in its
 namespaces (``ip netns pids``), then deletes the namespaces (a host's veth goes with it).
-``sweep_stale`` does the same for the namespaces of test processes that are gone.
+``sweep_stale`` does the same for the namespaces of test processes that are gone (N counts the
+networks of one test process).
 """
 
 from __future__ import annotations
