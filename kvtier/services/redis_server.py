@@ -1,4 +1,5 @@
-"""redis-server on loopback: no persistence, optional password and memory limit.
+"""redis-server on loopback (or the one address ``host``): no persistence, optional password
+and memory limit.
 
 Its settings go in a config file (mode 0600) in the working folder, so a password never shows
 on a command line or in ``ps``. Nothing is saved: a stop loses every key, which is what a Redis
@@ -17,7 +18,7 @@ from kvtier.errors import ConfigError
 from kvtier.ports import free_ports
 from kvtier.services.base import Service
 from kvtier.services.binaries import REDIS_SERVER, find_binary
-from kvtier.services.probes import HOST, redis_reply
+from kvtier.services.probes import HOST, check_host, redis_reply
 
 EVICTION_POLICIES = ("noeviction", "allkeys-lru", "allkeys-lfu", "allkeys-random",
                      "volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl")
@@ -26,16 +27,19 @@ _UNSAFE_CHARS = "\"'\\"
 
 
 class RedisServer(Service):
-    """``redis-server`` on 127.0.0.1; ``url`` for redis-py (``redis.Redis.from_url``)."""
+    """``redis-server`` on 127.0.0.1 (or ``host``); ``url`` for redis-py
+    (``redis.Redis.from_url``)."""
 
     kind = "redis"
 
     def __init__(self, *, port: int | None = None, password: str | None = None,
                  maxmemory: int | None = None, maxmemory_policy: str | None = None,
                  extra_config: Mapping[str, str] | None = None, workdir: Path | None = None,
+                 host: str = HOST,
                  start_timeout_s: float = 15.0, stop_timeout_s: float = 10.0,
                  die_with_parent: bool = True) -> None:
         _check(password, maxmemory, maxmemory_policy, extra_config or {})
+        self.host = check_host(host)  # before a working folder is made
         super().__init__(workdir=workdir, start_timeout_s=start_timeout_s,
                          stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
         self._fixed_port = port is not None
@@ -46,16 +50,14 @@ class RedisServer(Service):
         self.extra_config = dict(extra_config or {})
         (self.workdir / "data").mkdir(exist_ok=True)
 
-    host = HOST
-
     @property
     def url(self) -> str:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
-        return f"redis://{auth}{HOST}:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def _config_lines(self) -> list[str]:
         lines = [
-            f"bind {HOST}", f"port {self.port}", "protected-mode yes", "daemonize no",
+            f"bind {self.host}", f"port {self.port}", "protected-mode yes", "daemonize no",
             'save ""', "appendonly no", f'dir "{self.workdir / "data"}"', 'logfile ""',
         ]
         if self.password:
@@ -76,11 +78,11 @@ class RedisServer(Service):
         return [binary, str(path)]
 
     def _answers(self) -> bool:
-        reply = redis_reply(self.port)
+        reply = redis_reply(self.port, host=self.host)
         return reply is not None and (reply == b"+PONG" or reply.startswith(b"-NOAUTH"))
 
     def _where(self) -> str:
-        return f"{HOST}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def _new_ports(self) -> bool:
         if self._fixed_port:

@@ -1,10 +1,11 @@
 """SeaweedFS on loopback: one ``weed mini`` (master, volume, filer, S3 gateway) per instance.
 
 Every port is pinned (HTTP and gRPC, ten in all) so several instances run side by side; it binds
-and advertises 127.0.0.1 only; telemetry, WebDAV, the admin UI and the Iceberg/Lance catalogs
-are off; the S3 credentials are in its environment, never on its command line. A fresh data
-folder per instance (``weed mini`` re-reads ``mini.options`` from it), kept across ``stop`` /
-``start`` so an outage test finds its objects again.
+and advertises one address, 127.0.0.1 unless given another (``host``: a host's own address when
+it serves other hosts; never all interfaces); telemetry, WebDAV, the admin UI and the
+Iceberg/Lance catalogs are off; the S3 credentials are in its environment, never on its command
+line. A fresh data folder per instance (``weed mini`` re-reads ``mini.options`` from it), kept
+across ``stop`` / ``start`` so an outage test finds its objects again.
 
     with SeaweedFS() as weed:
         s3 = boto3.client("s3", endpoint_url=weed.endpoint, **weed.credentials.boto3_kwargs())
@@ -24,7 +25,7 @@ from kvtier.ports import free_ports
 from kvtier.services.base import Service
 from kvtier.services.binaries import WEED, find_binary
 from kvtier.services.lifetime import remove_weed_sockets, write_ports
-from kvtier.services.probes import HOST
+from kvtier.services.probes import HOST, check_host
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,10 @@ class SeaweedFS(Service):
 
     def __init__(self, *, ports: SeaweedPorts | None = None,
                  credentials: S3Credentials | None = None, workdir: Path | None = None,
-                 extra_args: Sequence[str] = (), start_timeout_s: float = 60.0,
+                 extra_args: Sequence[str] = (), host: str = HOST,
+                 start_timeout_s: float = 60.0,
                  stop_timeout_s: float = 15.0, die_with_parent: bool = True) -> None:
+        self.host = check_host(host)  # before a working folder is made
         super().__init__(workdir=workdir, start_timeout_s=start_timeout_s,
                          stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
         self._fixed_ports = ports is not None
@@ -91,17 +94,17 @@ class SeaweedFS(Service):
 
     @property
     def endpoint(self) -> str:
-        return f"http://{HOST}:{self.ports.s3}"
+        return f"http://{self.host}:{self.ports.s3}"
 
     @property
     def filer_address(self) -> str:
         """``host:httpPort.grpcPort``, the form ``weed mount -filer=`` needs for a pinned gRPC
         port (``host:port`` alone would mean gRPC on port + 10000)."""
-        return f"{HOST}:{self.ports.filer}.{self.ports.filer_grpc}"
+        return f"{self.host}:{self.ports.filer}.{self.ports.filer_grpc}"
 
     @property
     def filer_url(self) -> str:
-        return f"http://{HOST}:{self.ports.filer}"
+        return f"http://{self.host}:{self.ports.filer}"
 
     @property
     def data_dir(self) -> Path:
@@ -118,7 +121,7 @@ class SeaweedFS(Service):
         w = self.workdir
         return [
             find_binary(WEED), f"-logdir={w / 'logs'}", "mini", f"-dir={self.data_dir}",
-            f"-ip={HOST}", f"-ip.bind={HOST}", "-master.telemetry=false", "-webdav=false",
+            f"-ip={self.host}", f"-ip.bind={self.host}", "-master.telemetry=false", "-webdav=false",
             "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-filer.localSocket={w / 'filer.sock'}", f"-s3.localSocket={w / 's3.sock'}",
             *self.ports.flags(), *self.extra_args,
@@ -132,8 +135,8 @@ class SeaweedFS(Service):
     def _answers(self) -> bool:
         # S3 answers an anonymous request (403 with credentials enforced); the filer serves
         # its root; both come up last in weed mini.
-        return (http_status(f"http://{HOST}:{self.ports.s3}/", timeout_s=1.0) is not None
-                and http_status(f"http://{HOST}:{self.ports.filer}/", method="HEAD",
+        return (http_status(f"http://{self.host}:{self.ports.s3}/", timeout_s=1.0) is not None
+                and http_status(f"http://{self.host}:{self.ports.filer}/", method="HEAD",
                                 timeout_s=1.0) is not None)
 
     def _where(self) -> str:

@@ -12,7 +12,10 @@ vllm-router, or one instance):
    serves it from the shared tier (the request of step 4 if it went elsewhere, else up to
    ``attempts`` more until one does). When who served step 2 is not known, the instance
    must differ from the one that served step 4, and step 4's own request does not count;
-   when neither is known, the step fails (nothing shows a second instance).
+   when neither is known, the step fails (nothing shows a second instance). An entry point
+   that keeps sending the prefix to the instance holding it (a cache-aware router does, by
+   design) is not a failure: when the instances' own URLs are known, the last request goes
+   to another instance directly, and the step says so.
 
 Each step prints what it saw; the exit status is 0 only if all five passed, and a failed
 step is named. Where a prompt's KV came from is read from the response
@@ -26,7 +29,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +160,8 @@ class Verification:
             self.failed.append(f"{step} ({STEPS[step - 1]})")
         return ok
 
-    def send(self, suffix: str, user: str | None = None) -> Sent:
+    def send(self, suffix: str, user: str | None = None, *, url: str | None = None) -> Sent:
+        """The prefix with ``suffix``, to the entry point (or to ``url``, an instance)."""
         prompt = f"{self.prefix}\n{suffix}"
         body: dict[str, Any] = {"model": self.model, "max_tokens": self.o.max_tokens,
                                 "temperature": 0.0}
@@ -171,7 +175,7 @@ class Verification:
             body["user"] = user
         before = Snapshot.take(self.views)
         start = time.perf_counter()
-        response = post_json(f"{self.o.url}{path}", body, timeout_s=self.o.timeout_s,
+        response = post_json(f"{url or self.o.url}{path}", body, timeout_s=self.o.timeout_s,
                              headers=self.headers)
         seconds = time.perf_counter() - start
         time.sleep(0.2)  # counters settle (vLLM's /metrics lags a request by a moment)
@@ -314,13 +318,24 @@ class Verification:
                 return self.report(5, False, str(exc))
         elsewhere = [s for s in tried if s.instance is not None and s.instance != ref]
         what = "which computed it" if home is not None else "which served step 4"
+        how = ""
         if not elsewhere:
-            return self.report(5, False, f"all {len(tried)} similar request(s) went to "
-                               f"instance {ref} ({what}) or to an instance not known")
+            other = next((v for v in self.views if v.index != ref and v.backend), None)
+            if other is None or other.backend is None:
+                return self.report(5, False, f"all {len(tried)} similar request(s) went to "
+                                   f"instance {ref} ({what}) or to an instance not known")
+            try:
+                sent = self.send("Question 9: asked directly?", url=other.backend)
+            except HttpError as exc:
+                return self.report(5, False, f"instance {other.index} directly: {exc}")
+            elsewhere = [replace(sent, instance=other.index)]
+            how = (f"the entry point sent all {len(tried)} similar request(s) to instance "
+                   f"{ref}, which holds it, so instance {other.index} was asked directly; ")
         sent = max(elsewhere, key=self.shared_tokens)
         n = self.shared_tokens(sent)
-        return self.report(5, n > 0, f"instance {sent.instance} (not instance {ref}, {what}) "
-                           f"served {n} prompt tokens from the shared tier; {sent.where()}")
+        return self.report(5, n > 0, f"{how}instance {sent.instance} (not instance {ref}, "
+                           f"{what}) served {n} prompt tokens from the shared tier; "
+                           f"{sent.where()}")
 
     def _verdict(self) -> int:
         if self.failed:

@@ -158,3 +158,12 @@ def test_a_missing_binary_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch
             server.start()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "localhost", "224.0.0.1", ""])
+def test_a_service_binds_one_address_never_a_wildcard(host: str) -> None:
+    from kvtier.services import SeaweedFS
+
+    for make in (RedisServer, SeaweedFS):
+        with pytest.raises(ConfigError, match="host"):
+            make(host=host)

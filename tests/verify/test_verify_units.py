@@ -163,13 +163,16 @@ class _Scripted(Verification):
     """Step 5's logic on scripted answers: ``send`` returns the next prepared request (the
     HTTP path is covered by the tests above and the vLLM end-to-end test)."""
 
-    def __init__(self, answers: list[Sent]) -> None:
+    def __init__(self, answers: list[Sent], backends: tuple[str, ...] = ()) -> None:
         self.lines: list[str] = []
-        super().__init__(VerifyOptions(url="http://x:1", attempts=3), say=self.lines.append)
+        self.urls: list[str | None] = []
+        super().__init__(VerifyOptions(url="http://x:1", attempts=3, backends=backends),
+                         say=self.lines.append)
         self.shared = {"shared"}
         self.answers = answers
 
-    def send(self, suffix: str, user: str | None = None) -> Sent:
+    def send(self, suffix: str, user: str | None = None, *, url: str | None = None) -> Sent:
+        self.urls.append(url)
         return self.answers.pop(0)
 
 
@@ -205,3 +208,19 @@ def test_step_5_counts_step_4_when_it_went_elsewhere_than_the_home() -> None:
     ok, line = _step5(_sent(0), _sent(0, shared_chunks=2), [_sent(0), _sent(None, 4),
                                                             _sent(0)])
     assert not ok and "went to instance 0 (which computed it)" in line, line
+
+
+def test_step_5_asks_another_instance_directly_when_the_entry_point_keeps_the_prefix_home(
+        ) -> None:
+    """A cache-aware router sends every request for a held prefix to its holder: with the
+    instances' URLs known, the last request goes to another one directly (and says so)."""
+    v = _Scripted([_sent(0), _sent(0), _sent(0), _sent(None, shared_chunks=4)],
+                  backends=("http://a:1", "http://b:1"))
+    assert v.another_instance(_sent(0), _sent(0))
+    assert v.urls == [None, None, None, "http://b:1"]
+    assert "instance 1 was asked directly" in v.lines[-1], v.lines
+    assert "instance 1 (not instance 0, which computed it) served 1024" in v.lines[-1]
+    # asked directly, it must still load from the shared tier
+    v = _Scripted([_sent(0)] * 3 + [_sent(1)], backends=("http://a:1", "http://b:1"))
+    assert not v.another_instance(_sent(0), _sent(0))
+    assert "served 0 prompt tokens" in v.lines[-1]
