@@ -1,26 +1,23 @@
-"""The ``redis`` tier: chunks as values on a Redis or Valkey server that every node reaches.
+"""The ``redis`` tier: chunks as values on a Redis or Valkey server, or a Redis Cluster, that
+every node reaches. Key names: :mod:`~kvtier.tiers.redis_layout`; which node serves a key:
+:mod:`~kvtier.tiers.redis_nodes`.
 
-Keys (``P`` is ``options.key_prefix``, default ``kvtier:``; hex of fingerprints and keys only)::
+A write or delete changes a chunk and its index entries in one MULTI/EXEC on one hash slot, so
+a reader or a listing sees both or neither. A read (STRLEN + GETRANGE up to the reader's buffer,
+one round trip) refreshes Redis's own LRU clock and never transfers a value larger than the
+buffer or a note's cap; ``touch`` moves the index score (and the TTL with ``chunk_ttl_s``).
+Redis may evict or expire chunks itself (docs/shared.md): the index then names chunks that are
+gone. A read of one is a miss, the listing may still report it until :meth:`RedisTier.reconcile`
+(run by the sweeper through ``clean_stale_temps``) drops such entries in batches. An evicted
+index or note structure loses listings, never bytes: nothing here trusts the index for what a
+read returns. Other programs may write under the prefix too: index entries that do not parse,
+or sit in another key's bucket, are skipped and counted (:mod:`~kvtier.tiers.redis_index`),
+never fail a listing.
 
-    P c:<ns>:<key>      string   one sealed chunk (header page + payload), written whole by SET
-    P z:<ns>            zset     the namespace's index: member <key>, score = last write or
-                                 touch (unix seconds): listed and ordered without SCAN
-    P s:<ns>            hash     <key> -> the chunk's estimated footprint in Redis's memory
-                                 (:func:`~kvtier.tiers.redis_memory.footprint`), for budgets
-    P ns                set      namespaces that have (had) chunks
-    P n:<name>          string   a note (journal, heartbeats)
-    P nz                zset     note names, score 0: listed in order with ZRANGEBYLEX
-
-A write or delete changes a chunk and its index entries in one MULTI/EXEC, so a reader or a
-listing sees both or neither. A read (STRLEN + GETRANGE up to the reader's buffer, one round
-trip) refreshes Redis's own LRU clock and never transfers a value larger than the buffer or a
-note's cap; ``touch`` moves the index score (and the TTL with ``chunk_ttl_s``). Redis may
-evict or expire chunks itself (docs/shared.md): the index then names chunks that are gone. A
-read of one is a miss, the listing may still report it until :meth:`RedisTier.reconcile` (run
-by the sweeper through ``clean_stale_temps``) drops such entries in batches. An evicted index
-or note structure loses listings, never bytes: nothing here trusts the index for what a read
-returns. Other programs may write under the prefix too: index entries that do not parse are
-skipped and counted (:mod:`~kvtier.tiers.redis_index`), never fail a listing.
+The namespace set is written apart from the chunks (it lives on its own slot): a tier adds a
+namespace before its first write into it and again every :data:`NAMESPACE_REFRESH_S`, so a
+namespace that :meth:`RedisTier.reconcile` forgot while a peer wrote into it is listed again
+within that time.
 """
 
 from __future__ import annotations
@@ -28,17 +25,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
-from redis.exceptions import RedisError, ResponseError
+import redis
+from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
 from kvtier import codec
 from kvtier.config import TierConfig
 from kvtier.errors import ChunkTooLarge, NoteTooLarge, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import StoredChunk
-from kvtier.tiers.redis_client import Calls, make_client
+from kvtier.tiers.redis_client import Calls, make_nodes
 from kvtier.tiers.redis_index import (
     hex_member,
     is_wrongtype,
@@ -46,16 +43,18 @@ from kvtier.tiers.redis_index import (
     note_member,
     size_of,
 )
+from kvtier.tiers.redis_layout import BUCKETS, Layout, bucket_of
 from kvtier.tiers.redis_memory import (
     UNKNOWN,
     EvictionFacts,
+    combine,
     eviction_warning,
     footprint,
     read_facts,
 )
 from kvtier.tiers.redis_options import load_password, parse_options
-from kvtier.tiers.redis_upkeep import drop_if_gone, forget_if_empty
-from kvtier.tiers.redis_wire import transaction
+from kvtier.tiers.redis_upkeep import drop_if_gone
+from kvtier.tiers.redis_wire import Arg, transaction
 from kvtier.tiers.shared import (
     MAX_LISTED_NOTES,
     MAX_NOTE_BYTES,
@@ -68,13 +67,18 @@ from kvtier.tiers.shared import (
 from kvtier.tiers.skips import Skips
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 BAD_NAMESPACE = "namespace members that are not 64 hex digits"
 BAD_MEMBER = "index members that are not 64-hex keys"
+BAD_BUCKET = "index members in another key's bucket"
 BAD_SIZE = "sizes that are not positive integers up to the capacity"
-SCANNED = (BAD_NAMESPACE, BAD_MEMBER, BAD_SIZE)
+SCANNED = (BAD_NAMESPACE, BAD_MEMBER, BAD_BUCKET, BAD_SIZE)
 """What a complete :meth:`RedisTier.scan` meets every entry of."""
 BATCH = 512
 """Index entries per ZSCAN page, HMGET and EXISTS round trip."""
+MAX_REDIRECTS = 3
+"""MOVED / ASK replies followed for one call before it fails (a slot moving back and forth)."""
+NAMESPACE_REFRESH_S = 60.0
 
 
 class Bounded(NamedTuple):
@@ -82,33 +86,6 @@ class Bounded(NamedTuple):
 
     size: int
     data: bytes
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Key names under one prefix (see the module docstring)."""
-
-    prefix: str
-
-    def chunk(self, ns: str, key: str) -> str:
-        return f"{self.prefix}c:{ns}:{key}"
-
-    def index(self, ns: str) -> str:
-        return f"{self.prefix}z:{ns}"
-
-    def sizes(self, ns: str) -> str:
-        return f"{self.prefix}s:{ns}"
-
-    def note(self, name: str) -> str:
-        return f"{self.prefix}n:{name}"
-
-    @property
-    def namespaces(self) -> str:
-        return f"{self.prefix}ns"
-
-    @property
-    def notes(self) -> str:
-        return f"{self.prefix}nz"
 
 
 class RedisTier(SharedTier):
@@ -119,13 +96,15 @@ class RedisTier(SharedTier):
         self.options = parse_options(own, where)
         self.endpoint = self.options.endpoint
         password = load_password(self.options, where)
-        self.client = make_client(self.options, password)
-        self.calls = Calls(name, self.options, password)
+        self.nodes = make_nodes(self.options, password)
+        self.calls = Calls(name, self.options, password, self.nodes.failed)
         self.layout = Layout(self.options.key_prefix)
         self.skips = Skips(name)
         """Entries of the index other writers left that do not parse, by kind."""
         ttl = self.options.chunk_ttl_s
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
+        self._registered: dict[str, float] = {}
+        """Namespace -> when this tier last added it to the namespace set (monotonic)."""
         self.facts = self._read_facts()
 
     @property
@@ -135,7 +114,8 @@ class RedisTier(SharedTier):
 
     def _read_facts(self) -> EvictionFacts:
         try:
-            facts = self.calls.run("reading maxmemory", lambda: read_facts(self.client))
+            facts = self.calls.run("reading maxmemory", lambda: combine(
+                [read_facts(c) for c in self.nodes.primaries()]))
         except TierIOError as exc:  # down now: the store's breaker decides when to use it
             log.warning("%s (at start; the tier is used once Redis answers)", exc)
             return UNKNOWN
@@ -147,26 +127,70 @@ class RedisTier(SharedTier):
             log.warning("redis tier %s (%s): %s", self.name, self.endpoint.redacted(), warning)
         return facts
 
-    def _run(self, what: str, call: Callable[[], Any]) -> Any:
-        return self.calls.run(what, call)
+    # ------------------------------------------------------------------ calls
 
-    def _transaction(self, what: str, queue: Callable[[Any], object]) -> list[Any]:
-        """``queue(pipe)`` adds commands; they run in one MULTI/EXEC round trip."""
-        def call() -> list[Any]:
-            with self.client.pipeline(transaction=True) as pipe:
-                queue(pipe)
-                return pipe.execute()
-        return cast(list[Any], self._run(what, call))
+    def _at(self, key: str, what: str, call: Callable[[redis.Redis], T], *,
+            asking: Callable[[redis.Redis], T] | None = None) -> T:
+        """``call(client)`` on the node that serves ``key``, under the retry policy. A MOVED
+        reloads the cluster's map and tries again; an ASK runs ``asking`` on the node named
+        (where given; else it counts as a MOVED); at most :data:`MAX_REDIRECTS` of them."""
+        def attempt() -> T:
+            asked: redis.Redis | None = None
+            for _ in range(MAX_REDIRECTS + 1):
+                try:
+                    if asked is not None and asking is not None:
+                        return asking(asked)
+                    return call(self.nodes.client_for(key))
+                except AskError as exc:  # MovedError is one too
+                    asked = None
+                    if isinstance(exc, MovedError) or asking is None:
+                        self.nodes.moved(exc)
+                    else:
+                        asked = self.nodes.asking(exc)
+            raise redis.ConnectionError(f"{key}: still redirected after {MAX_REDIRECTS} "
+                                        "redirects (its slot is moving)")
+        return self.calls.run(what, attempt)
 
-    def _batch(self, what: str, queue: Callable[[Any], object], *,
+    def _exec(self, key: str, what: str, commands: list[tuple[Arg, ...]], *,
+              raise_errors: bool = True) -> list[Any]:
+        """``commands`` (all on ``key``'s slot) in one MULTI/EXEC round trip."""
+        return self._at(key, what, lambda c: transaction(
+            c.connection_pool, commands, raise_errors=raise_errors), asking=lambda c: transaction(
+            c.connection_pool, commands, raise_errors=raise_errors, asking=True))
+
+    def _batch(self, key: str, what: str, queue: Callable[[Any], object], *,
                raise_on_error: bool = True) -> list[Any]:
-        """``queue(pipe)`` adds commands; they run pipelined, not atomically. Without
-        ``raise_on_error`` a refused command's error is its reply (a wrong type)."""
-        def call() -> list[Any]:
-            with self.client.pipeline(transaction=False) as pipe:
+        """``queue(pipe)`` adds commands for keys on ``key``'s node; they run pipelined, not
+        atomically. Without ``raise_on_error`` a refused command's error is its reply."""
+        def call(client: redis.Redis) -> list[Any]:
+            with client.pipeline(transaction=False) as pipe:
                 queue(pipe)
-                return pipe.execute(raise_on_error=raise_on_error)
-        return cast(list[Any], self._run(what, call))
+                replies = pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, AskError) or (raise_on_error
+                                                   and isinstance(reply, RedisError)):
+                    raise reply
+            return replies
+        return self._at(key, what, call)
+
+    def _each(self, keys: list[str], what: str, command: Callable[[Any, str], object]
+              ) -> list[Any]:
+        """``command(pipe, key)`` for each of ``keys`` (any slots), pipelined per node; the
+        replies in the order of ``keys``, a refused command's error as its reply."""
+        def groups() -> dict[int, list[int]]:
+            by_node: dict[int, list[int]] = {}
+            for i, key in enumerate(keys):
+                by_node.setdefault(id(self.nodes.client_for(key)), []).append(i)
+            return by_node
+        replies: list[Any] = [None] * len(keys)
+        for group in self.calls.run(what, groups).values():
+            def queue(pipe: Any, group: list[int] = group) -> None:
+                for i in group:
+                    command(pipe, keys[i])
+            got = self._batch(keys[group[0]], what, queue, raise_on_error=False)
+            for i, reply in zip(group, got, strict=True):
+                replies[i] = reply
+        return replies
 
     # ------------------------------------------------------------------ chunks
 
@@ -177,15 +201,24 @@ class RedisTier(SharedTier):
         view = memoryview(data).cast("B")
         header = codec.ChunkHeader.unpack(view[: codec.USED_HEADER_BYTES])
         ns, hexkey = namespace_hex(header.namespace_fp), key_hex(key)
+        self._register(ns)
+        name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
         expiry = () if self._ttl_ms is None else (b"PX", self._ttl_ms)
         stored = footprint(len(view))
-        commands = [(b"SET", self.layout.chunk(ns, hexkey), view, *expiry),
-                    (b"ZADD", self.layout.index(ns), time.time(), hexkey),
-                    (b"HSET", self.layout.sizes(ns), hexkey, stored),
-                    (b"SADD", self.layout.namespaces, ns)]
-        pool = self.client.connection_pool
-        self._run(f"writing {hexkey[:16]}", lambda: transaction(pool, commands))
+        self._exec(name, f"writing {hexkey[:16]}", [
+            (b"SET", name, view, *expiry),
+            (b"ZADD", self.layout.index(ns, bucket), time.time(), hexkey),
+            (b"HSET", self.layout.sizes(ns, bucket), hexkey, stored)])
         return stored
+
+    def _register(self, ns: str) -> None:
+        """Add ``ns`` to the namespace set before a write into it, again once a while."""
+        now = time.monotonic()
+        if now - self._registered.get(ns, -NAMESPACE_REFRESH_S) < NAMESPACE_REFRESH_S:
+            return
+        names = self.layout.namespaces
+        self._at(names, "adding a namespace", lambda c: c.sadd(names, ns))
+        self._registered[ns] = now
 
     def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
         hexkey = key_hex(key)
@@ -207,13 +240,12 @@ class RedisTier(SharedTier):
         round trip (as fast as a GET, measured: a Lua script doing the same is 40% slower),
         so a value over ``limit`` is never transferred. ``None``: a value of another type
         (skipped, counted), or, with ``exists``, no value at all."""
-        commands: list[tuple[bytes | str | int, ...]] = [(b"STRLEN", name)]
+        commands: list[tuple[Arg, ...]] = [(b"STRLEN", name)]
         if limit > 0:  # GETRANGE 0 -1 would be the whole value
             commands.append((b"GETRANGE", name, 0, limit - 1))
         if exists:
             commands.append((b"EXISTS", name))
-        pool = self.client.connection_pool
-        replies = self._run(what, lambda: transaction(pool, commands, raise_errors=False))
+        replies = self._exec(name, what, commands, raise_errors=False)
         for reply in replies:
             if is_wrongtype(reply):
                 self.skips.add("values of another type", where=name)
@@ -226,27 +258,25 @@ class RedisTier(SharedTier):
 
     def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         ns, hexkey = namespace_hex(namespace), key_hex(key)
-
-        def queue(pipe: Any) -> None:
-            pipe.delete(self.layout.chunk(ns, hexkey))
-            pipe.zrem(self.layout.index(ns), hexkey)
-            pipe.hdel(self.layout.sizes(ns), hexkey)
-
-        self._transaction(f"deleting {hexkey[:16]}", queue)
+        name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
+        self._exec(name, f"deleting {hexkey[:16]}", [
+            (b"DEL", name), (b"ZREM", self.layout.index(ns, bucket), hexkey),
+            (b"HDEL", self.layout.sizes(ns, bucket), hexkey)])
 
     def quarantine(self, key: ChunkKey, *, namespace: bytes) -> None:
         self.delete(key, namespace=namespace)  # nothing is kept on a store others read
 
     def touch(self, key: ChunkKey, *, namespace: bytes) -> None:
         ns, hexkey = namespace_hex(namespace), key_hex(key)
+        name, index = self.layout.chunk(ns, hexkey), self.layout.index(ns, bucket_of(hexkey))
         now = time.time()
 
         def queue(pipe: Any) -> None:
-            pipe.zadd(self.layout.index(ns), {hexkey: now}, xx=True)  # never adds
+            pipe.zadd(index, {hexkey: now}, xx=True)  # never adds
             if self._ttl_ms is not None:
-                pipe.pexpire(self.layout.chunk(ns, hexkey), self._ttl_ms)
+                pipe.pexpire(name, self._ttl_ms)
 
-        self._batch(f"touching {hexkey[:16]}", queue)
+        self._batch(name, f"touching {hexkey[:16]}", queue)
 
     def scan(self) -> Iterator[StoredChunk]:
         before = self.skips.snapshot()
@@ -257,49 +287,61 @@ class RedisTier(SharedTier):
     def scan_namespace(self, namespace: bytes) -> Iterator[StoredChunk]:
         """The index's entries (size, score as mtime, priority 35): may include chunks Redis
         evicted since (a read of one is a miss) until :meth:`reconcile` drops them. Members
-        that are not keys are skipped; an index of another type lists nothing."""
+        that are not keys, or not of their bucket, are skipped; an index of another type
+        lists nothing."""
         ns = namespace_hex(namespace)
-        seen: set[bytes] = set()  # ZSCAN may return an entry twice while Redis rehashes
-        bad = 0
-        for page in self._zscan(self.layout.index(ns), "listing chunks"):
-            fresh = [(m, s) for m, s in page if m not in seen and hex_member(m)]
-            bad += sum(1 for m, _ in page if m not in seen and not hex_member(m))
-            seen.update(m for m, _ in page)
-            now = time.time()
-            for member, score, size in self._sized(ns, fresh):
-                yield StoredChunk(ChunkKey(bytes.fromhex(member.decode())), size,
-                                  mtime_of(score, now), 35, namespace)
-        self.skips.add(BAD_MEMBER, bad)
+        for bucket in BUCKETS:
+            seen: set[bytes] = set()  # ZSCAN may return an entry twice while Redis rehashes
+            for page in self._zscan(self.layout.index(ns, bucket), "listing chunks"):
+                fresh = self._members(page, bucket, seen)
+                now = time.time()
+                for member, score, size in self._sized(ns, bucket, fresh):
+                    yield StoredChunk(ChunkKey(bytes.fromhex(member.decode())), size,
+                                      mtime_of(score, now), 35, namespace)
+
+    def _members(self, page: list[tuple[bytes, float]], bucket: str, seen: set[bytes]
+                 ) -> list[tuple[bytes, float]]:
+        """The page's entries not seen before whose member is a key of ``bucket``; the others
+        are counted as skipped."""
+        fresh = [(m, s) for m, s in page if m not in seen]
+        seen.update(m for m, _ in page)
+        keys = [(m, s) for m, s in fresh if hex_member(m)]
+        mine = [(m, s) for m, s in keys if m[:2].decode() == bucket]
+        self.skips.add(BAD_MEMBER, len(fresh) - len(keys))
+        self.skips.add(BAD_BUCKET, len(keys) - len(mine))
+        return mine
 
     def _zscan(self, index: str, what: str) -> Iterator[list[tuple[bytes, float]]]:
         """ZSCAN pages; a key of another type under ``index`` has none (skipped, counted)."""
         cursor = 0
         while True:
-            def step(at: int = cursor) -> tuple[int, list[tuple[bytes, float]]]:
+            def step(client: redis.Redis, at: int = cursor
+                     ) -> tuple[int, list[tuple[bytes, float]]]:
                 try:
                     return cast(tuple[int, list[tuple[bytes, float]]],
-                                self.client.zscan(index, at, count=BATCH))
+                                client.zscan(index, at, count=BATCH))
                 except ResponseError as exc:
                     if not is_wrongtype(exc):
                         raise
                     self.skips.add("index keys of another type", where=index)
                     return 0, []
-            cursor, page = self._run(what, step)
+            cursor, page = self._at(index, what, step)
             yield page
             if cursor == 0:
                 return
 
-    def _sized(self, ns: str, page: list[tuple[bytes, float]]
+    def _sized(self, ns: str, bucket: str, page: list[tuple[bytes, float]]
                ) -> Iterator[tuple[bytes, float, int]]:
         """Each member with its size from the size hash; a size that is missing (evicted) or
         not a positive integer (garbage) is asked of the chunk itself: 0 means it is gone."""
         if not page:
             return
         members = [m for m, _ in page]
-        hashed = self._batch("listing sizes", lambda pipe: pipe.hmget(
-            self.layout.sizes(ns), members), raise_on_error=False)[0]
+        where = self.layout.sizes(ns, bucket)
+        hashed = self._batch(where, "listing sizes", lambda pipe: pipe.hmget(where, members),
+                             raise_on_error=False)[0]
         if is_wrongtype(hashed):
-            self.skips.add("size hashes of another type", where=self.layout.sizes(ns))
+            self.skips.add("size hashes of another type", where=where)
             hashed = [None] * len(members)
         elif isinstance(hashed, RedisError):
             raise self.calls.translate(hashed, "listing sizes") from hashed
@@ -310,7 +352,7 @@ class RedisTier(SharedTier):
         lost = [m for m, size in zip(members, sizes, strict=True) if size is None]
         lengths: dict[bytes, int] = {}
         if lost:  # the size hash was evicted: ask the chunks (0 for one that is gone too)
-            found = self._batch("reading lost sizes", lambda pipe: [
+            found = self._batch(where, "reading lost sizes", lambda pipe: [
                 pipe.strlen(self.layout.chunk(ns, m.decode())) for m in lost],
                 raise_on_error=False)
             lengths = {m: n if isinstance(n, int) else 0 for m, n in zip(lost, found,
@@ -322,42 +364,43 @@ class RedisTier(SharedTier):
                 yield member, float(score), footprint(lengths[member])
 
     def namespaces(self) -> list[bytes]:
-        listed = self._indexed_namespaces()
-        counts = self._batch("counting chunks", lambda pipe: [
-            pipe.zcard(self.layout.index(ns)) for ns in listed], raise_on_error=False)
-        wrong = [ns for ns, n in zip(listed, counts, strict=True) if is_wrongtype(n)]
-        for ns in wrong:
-            self.skips.add("index keys of another type", where=self.layout.index(ns))
-        return [bytes.fromhex(ns) for ns, n in zip(listed, counts, strict=True)
-                if isinstance(n, int) and n]
+        return [bytes.fromhex(ns) for ns in self._indexed_namespaces() if self._count(ns)]
+
+    def _count(self, ns: str) -> int:
+        """Index entries of ``ns`` over its buckets (those of another type count none)."""
+        indexes = [self.layout.index(ns, b) for b in BUCKETS]
+        counts = self._each(indexes, "counting chunks", lambda pipe, k: pipe.zcard(k))
+        for index, n in zip(indexes, counts, strict=True):
+            if is_wrongtype(n):
+                self.skips.add("index keys of another type", where=index)
+            elif isinstance(n, RedisError):
+                raise self.calls.translate(n, "counting chunks") from n
+        return sum(n for n in counts if isinstance(n, int))
 
     def _indexed_namespaces(self) -> list[str]:
         """The namespace set's members that are namespaces (64 hex digits); the rest are
         skipped and counted, and a key of another type under its name lists none."""
-        def members() -> set[bytes]:
+        names = self.layout.namespaces
+
+        def members(client: redis.Redis) -> set[bytes]:
             try:
-                return cast(set[bytes], self.client.smembers(self.layout.namespaces))
+                return cast(set[bytes], client.smembers(names))
             except ResponseError as exc:
                 if not is_wrongtype(exc):
                     raise
-                self.skips.add("namespace sets of another type", where=self.layout.namespaces)
+                self.skips.add("namespace sets of another type", where=names)
                 return set()
-        found = self._run("listing namespaces", members)
+        found = self._at(names, "listing namespaces", members)
         listed = sorted(ns for ns in map(hex_member, found) if ns is not None)
-        self.skips.add(BAD_NAMESPACE,
-                       len(found) - len(listed))
+        self.skips.add(BAD_NAMESPACE, len(found) - len(listed))
         return listed
 
     # ------------------------------------------------------------------ notes
 
     def put_note(self, name: str, data: bytes) -> None:
-        check_note_name(name)
-
-        def queue(pipe: Any) -> None:
-            pipe.set(self.layout.note(name), data)
-            pipe.zadd(self.layout.notes, {name: 0})
-
-        self._transaction(f"writing note {name}", queue)
+        key = self.layout.note(check_note_name(name))
+        self._exec(key, f"writing note {name}", [
+            (b"SET", key, data), (b"ZADD", self.layout.notes, 0, name)])
 
     def get_note(self, name: str, max_bytes: int = MAX_NOTE_BYTES) -> bytes | None:
         key = self.layout.note(check_note_name(name))
@@ -391,25 +434,23 @@ class RedisTier(SharedTier):
     def _notes_range(self, what: str, low: bytes, high: str, count: int) -> list[bytes]:
         """Up to ``count`` members of the name index in (low, high); none where another
         type sits under its name."""
-        def call() -> list[bytes]:
+        notes = self.layout.notes
+
+        def call(client: redis.Redis) -> list[bytes]:
             try:
-                return cast(list[bytes], self.client.zrangebylex(
-                    self.layout.notes, low, high, start=0, num=count))
+                return cast(list[bytes], client.zrangebylex(notes, low, high, start=0,
+                                                            num=count))
             except ResponseError as exc:
                 if not is_wrongtype(exc):
                     raise
-                self.skips.add("index keys of another type", where=self.layout.notes)
+                self.skips.add("index keys of another type", where=notes)
                 return []
-        return cast(list[bytes], self._run(what, call))
+        return self._at(notes, what, call)
 
     def delete_note(self, name: str) -> None:
-        check_note_name(name)
-
-        def queue(pipe: Any) -> None:
-            pipe.delete(self.layout.note(name))
-            pipe.zrem(self.layout.notes, name)
-
-        self._transaction(f"deleting note {name}", queue)
+        key = self.layout.note(check_note_name(name))
+        self._exec(key, f"deleting note {name}", [
+            (b"DEL", key), (b"ZREM", self.layout.notes, name)])
 
     # ------------------------------------------------------------------ upkeep
 
@@ -424,11 +465,12 @@ class RedisTier(SharedTier):
         checked again under WATCH, so an entry a writer re-creates meanwhile is kept."""
         dropped = 0
         for ns in self._indexed_namespaces():
-            index = self.layout.index(ns)
-            for page in self._zscan(index, "reconciling the index"):
-                keys = {m: self.layout.chunk(ns, k) for m, k in
-                        ((m, hex_member(m)) for m, _ in page) if k is not None}
-                dropped += self._drop_vanished(index, self.layout.sizes(ns), keys)
+            for bucket in BUCKETS:
+                index = self.layout.index(ns, bucket)
+                for page in self._zscan(index, "reconciling the index"):
+                    keys = {m: self.layout.chunk(ns, m.decode()) for m, _ in page
+                            if hex_member(m) and m[:2].decode() == bucket}
+                    dropped += self._drop_vanished(index, self.layout.sizes(ns, bucket), keys)
             self._forget_if_empty(ns)
         for page in self._zscan(self.layout.notes, "reconciling notes"):
             notes = {m: self.layout.note(n) for m, n in
@@ -437,27 +479,34 @@ class RedisTier(SharedTier):
         return dropped
 
     def _drop_vanished(self, index: str, sizes: str | None, keys: dict[bytes, str]) -> int:
+        """``keys`` (member -> value key) all share ``index``'s slot."""
         if not keys:
             return 0
-        there = self._batch("checking indexed keys", lambda pipe: [
+        there = self._batch(index, "checking indexed keys", lambda pipe: [
             pipe.exists(k) for k in keys.values()])
         gone = {m: k for (m, k), n in zip(keys.items(), there, strict=True) if not n}
         if not gone:
             return 0
-
-        return cast(int, self._run("dropping vanished index entries", lambda: drop_if_gone(
-            self.client, index, sizes, gone)))
+        return self._at(index, "dropping vanished index entries",
+                        lambda client: drop_if_gone(client, index, sizes, gone))
 
     def _forget_if_empty(self, ns: str) -> None:
-        self._run("forgetting an empty namespace", lambda: forget_if_empty(
-            self.client, self.layout.index(ns), self.layout.sizes(ns), self.layout.namespaces,
-            ns))
+        """Remove ``ns`` from the namespace set if none of its buckets holds an entry; put it
+        back if a writer filled one meanwhile (the buckets are on other slots: no WATCH)."""
+        if self._count(ns):
+            return
+        names = self.layout.namespaces
+        self._at(names, "forgetting an empty namespace", lambda c: c.srem(names, ns))
+        self._registered.pop(ns, None)
+        if self._count(ns):
+            self._at(names, "keeping a namespace", lambda c: c.sadd(names, ns))
 
     def describe(self) -> dict[str, Any]:
         source = ("password_env" if self.options.password_env else
                   "password_file" if self.options.password_file else
                   "url" if self.endpoint.password is not None else None)
         return {**super().describe(), "url": self.endpoint.redacted(), "shared": True,
+                "cluster": self.options.cluster,
                 "key_prefix": self.options.key_prefix, "tls": self.endpoint.tls,
                 "verify": self.options.verify, "password_source": source,
                 "max_connections": self.options.max_connections,
@@ -465,5 +514,4 @@ class RedisTier(SharedTier):
                 "maxmemory": self.facts.maxmemory, "maxmemory_policy": self.facts.policy}
 
     def close(self) -> None:
-        self.client.connection_pool.disconnect()
-        self.client.close()
+        self.nodes.close()

@@ -63,6 +63,9 @@ class RedisOptions(ConfigStruct, frozen=True, repr_omit_defaults=False):
     on a refused login): one picks up a restarted server through a stale pooled socket."""
     retry_backoff_s: float = 0.05
     """Wait before the first retry, doubled for each further one."""
+    cluster: bool = False
+    """The url names one node of a Redis (or Valkey) Cluster: the tier learns the others from
+    it and sends each key to the primary that serves its hash slot (docs/shared.md)."""
     chunk_ttl_s: float | None = None
     """Chunks expire this long after their last write or touch (``volatile-*`` eviction
     policies evict only keys with a TTL); the index and notes never expire."""
@@ -85,6 +88,12 @@ class RedisOptions(ConfigStruct, frozen=True, repr_omit_defaults=False):
         if self.password_env is not None and self.password_file is not None:
             raise ConfigError("password_env, password_file: give one password source")
         endpoint = Endpoint.parse(self.url)
+        if self.cluster and endpoint.db != 0:
+            raise ConfigError("url: a Redis Cluster has only database 0 (redis://host:port/0) "
+                              "with cluster: true")
+        if self.cluster and ("{" in self.key_prefix or "}" in self.key_prefix):
+            raise ConfigError("key_prefix: no { or } with cluster: true (the tier puts the "
+                              "hash tags that place keys on slots itself)")
         if not endpoint.tls and (self.ca_bundle is not None or not self.verify):
             raise ConfigError("ca_bundle, verify: only for TLS (a rediss:// url)")
         if endpoint.password is not None and (self.password_env or self.password_file):

@@ -50,13 +50,14 @@ def test_the_layout_is_what_the_docs_say(redis_server: RedisServer) -> None:
     tier.write(key, data)
     tier.put_note("servers/a", b"alive")
     ns, hexkey = NAMESPACE.hex(), key.hex()
+    tag = f"{{{ns}:{hexkey[:2]}}}"
     r = plain(redis_server)
     assert sorted(r.keys("*")) == sorted(
-        f"app1:{k}".encode() for k in (f"c:{ns}:{hexkey}", f"z:{ns}", f"s:{ns}", "ns",
-                                       "n:servers/a", "nz"))
-    assert r.get(f"app1:c:{ns}:{hexkey}") == bytes(data)
-    assert r.hget(f"app1:s:{ns}", hexkey) == str(footprint(len(data))).encode()
-    assert r.zscore(f"app1:z:{ns}", hexkey) == pytest.approx(time.time(), abs=5)
+        f"app1:{k}".encode() for k in (f"c:{tag}:{hexkey}", f"z:{tag}", f"s:{tag}", "ns",
+                                       "n:{app1:n}:servers/a", "nz:{app1:n}"))
+    assert r.get(f"app1:c:{tag}:{hexkey}") == bytes(data)
+    assert r.hget(f"app1:s:{tag}", hexkey) == str(footprint(len(data))).encode()
+    assert r.zscore(f"app1:z:{tag}", hexkey) == pytest.approx(time.time(), abs=5)
     other = redis_tier(redis_server.url, key_prefix="app2:")
     assert list(other.scan()) == [] and other.list_notes("servers/") == []
     tier.close()
@@ -137,7 +138,8 @@ def test_reconcile_drops_what_redis_lost_and_keeps_the_rest(redis_server: RedisS
     tier.put_note("journal/2", b"b")
     r = plain(redis_server)
     lost = keys[::3]
-    r.delete(*[tier.layout.chunk(NAMESPACE.hex(), k.hex()) for k in lost], "kvtier:n:journal/1")
+    r.delete(*[tier.layout.chunk(NAMESPACE.hex(), k.hex()) for k in lost],
+             tier.layout.note("journal/1"))
     assert len(list(tier.scan())) == len(keys), "the index still names them"
     assert read_back(tier, lost[0], 2 * codec.PAGE) is None, "a miss, not an error"
     assert tier.clean_stale_temps(3600) == len(lost) + 1
@@ -159,7 +161,9 @@ def test_chunk_ttl_expires_chunks_but_never_the_index(redis_server: RedisServer)
     ns = NAMESPACE.hex()
     chunk = tier.layout.chunk(ns, key.hex())
     assert 3590_000 < r.pttl(chunk) <= 3600_000
-    assert r.pttl(tier.layout.index(ns)) == -1 and r.pttl(tier.layout.sizes(ns)) == -1
+    bucket = key.hex()[:2]
+    assert r.pttl(tier.layout.index(ns, bucket)) == -1
+    assert r.pttl(tier.layout.sizes(ns, bucket)) == -1
     r.pexpire(chunk, 10_000)
     tier.touch(key, namespace=NAMESPACE)
     assert r.pttl(chunk) > 3590_000, "a touch renews the TTL"
@@ -180,10 +184,11 @@ def test_a_refused_transaction_leaves_the_pool_usable(redis_server: RedisServer)
     tier = redis_tier(redis_server.url, max_connections=1)  # one socket: any leftover shows
     key, other = key_of("in the way"), key_of("after")
     r = plain(redis_server)
-    r.set(tier.layout.index(NAMESPACE.hex()), b"not a sorted set")  # another program's key
+    index = tier.layout.index(NAMESPACE.hex(), key.hex()[:2])
+    r.set(index, b"not a sorted set")  # another program's key
     with pytest.raises(TierIOError, match="WRONGTYPE"):
         tier.write(key, sealed_chunk(key))
-    r.delete(tier.layout.index(NAMESPACE.hex()))
+    r.delete(index)
     data = sealed_chunk(other, seed=3)
     tier.write(other, data)
     assert read_back(tier, other, len(data)) == data
