@@ -1,0 +1,165 @@
+"""The redis tier on a Redis Cluster of its own (3 primaries, 3 replicas on loopback): both
+conformance suites, keys spread over every primary, the wrong mode named, and a primary killed
+under load: misses or the promoted replica's bytes, never a wrong block, nothing stuck."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import codec
+from kvtier.errors import CorruptChunkError, TierIOError
+from kvtier.services import RedisCluster, RedisServer
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_layout import BUCKETS
+from kvtier.tiers.shared import SharedTier
+
+from .conformance import NAMESPACE, key_of, page_buffer, read_back, sealed_chunk
+from .redis_helpers import redis_tier
+from .shared_conformance import SharedTierConformance
+
+pytestmark = pytest.mark.services
+MakeCluster = Callable[..., RedisCluster]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    with RedisCluster() as started:
+        yield started
+
+
+def cluster_tier(url: str, name: str = "shared", **options: object) -> RedisTier:
+    return redis_tier(url, name, cluster=True, **options)
+
+
+class TestRedisClusterConformance(SharedTierConformance):
+    @pytest.fixture(autouse=True)
+    def _cluster(self, cluster: RedisCluster) -> None:
+        self.cluster = cluster
+
+    def make_tier(self, tmp_path: Path) -> RedisTier:
+        # a prefix of its own: an empty tier on the shared cluster
+        return cluster_tier(self.cluster.url, key_prefix=f"t{uuid.uuid4().hex[:12]}:")
+
+    def make_peer(self, tier: SharedTier) -> SharedTier:
+        assert isinstance(tier, RedisTier)
+        return cluster_tier(self.cluster.nodes[1].url, name="peer",
+                            key_prefix=tier.options.key_prefix)
+
+
+def test_keys_and_index_buckets_spread_over_every_primary(cluster: RedisCluster) -> None:
+    tier = cluster_tier(cluster.url, key_prefix="spread:")
+    keys = [key_of(f"spread {i}") for i in range(200)]
+    for key in keys:
+        tier.write(key, sealed_chunk(key, 100))
+    ns = NAMESPACE.hex()
+    for node in cluster.primary_nodes():
+        import redis
+
+        r = redis.Redis(host=node.host, port=node.port)
+        held = set(r.scan_iter(match="spread:z:*", count=1000))
+        assert 40 < len(held) < 120, f"{node}: {len(held)} of the index buckets"
+        assert any(k.startswith(b"spread:c:") for k in r.scan_iter(match="spread:c:*"))
+        r.close()
+    assert {c.key for c in tier.scan()} == set(keys)
+    assert tier.namespaces() == [NAMESPACE]
+    assert len({tier.layout.index(ns, b) for b in BUCKETS}) == 256
+    assert tier.describe()["cluster"] is True
+    for key in keys:
+        tier.delete(key, namespace=NAMESPACE)
+    assert tier.reconcile() == 0 and tier.namespaces() == []
+    tier.close()
+
+
+def test_the_wrong_mode_is_named(cluster: RedisCluster, redis_server: RedisServer) -> None:
+    single = redis_tier(cluster.url, key_prefix="mode:")
+    with pytest.raises(TierIOError, match="cluster: true"):
+        for i in range(20):  # some keys are on the node asked: the first MOVED says it
+            key = key_of(f"mode {i}")
+            single.write(key, sealed_chunk(key))
+    single.close()
+    clustered = cluster_tier(redis_server.url)
+    with pytest.raises(TierIOError, match="cluster: false"):
+        clustered.write(key_of("x"), sealed_chunk(key_of("x")))
+    clustered.close()
+
+
+def test_a_primary_killed_under_load_costs_misses_never_a_wrong_block(
+        make_redis_cluster: MakeCluster) -> None:
+    cluster = make_redis_cluster(node_timeout_ms=1000)
+    timeout_s = 1.0
+    tier = cluster_tier(cluster.url, socket_timeout_s=timeout_s, connect_timeout_s=0.5,
+                        retries=1)
+    keys = [key_of(f"failover {i}") for i in range(120)]
+    chunks = {key: sealed_chunk(key, 2 * codec.PAGE, seed=i) for i, key in enumerate(keys)}
+    for key, data in chunks.items():
+        tier.write(key, data)
+    victim = cluster.owner_of(tier.layout.chunk(NAMESPACE.hex(), keys[0].hex()))
+    outcomes = {"hit": 0, "miss": 0, "error": 0}
+    slowest = 0.0
+    stop = threading.Event()
+    wrong: list[str] = []
+
+    def load() -> None:
+        nonlocal slowest
+        deadline = time.monotonic() + 25
+        i = 0
+        while not stop.is_set() and time.monotonic() < deadline:
+            key = keys[i % len(keys)]
+            i += 1
+            start = time.monotonic()
+            try:
+                got = read_back(tier, key, len(chunks[key]))
+                if got is None:
+                    outcomes["miss"] += 1
+                else:
+                    try:
+                        codec.verify(got, key, NAMESPACE)
+                    except CorruptChunkError as exc:
+                        wrong.append(str(exc))
+                    if got != chunks[key]:
+                        wrong.append(key.hex())
+                    outcomes["hit"] += 1
+                if i % 4 == 0:
+                    tier.write(key, chunks[key])
+            except TierIOError:
+                outcomes["error"] += 1  # the store counts these as misses, breaker decides
+            slowest = max(slowest, time.monotonic() - start)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    time.sleep(0.5)
+    victim.kill()  # SIGKILL: no goodbye to the cluster or the clients
+    cluster.wait_promoted(victim, timeout_s=20)
+    time.sleep(1.0)
+    stop.set()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "a call hung"
+    assert not wrong, f"wrong blocks served: {wrong[:3]}"
+    assert outcomes["error"] > 0 and outcomes["hit"] > 0, outcomes
+    # each call: (1 + retries) tries of connect / socket timeouts, a map reload in between
+    assert slowest < 2 * (timeout_s + 0.5) + 1.0, f"a call took {slowest:.1f} s"
+    for key, data in chunks.items():  # after failover: every slot is served again
+        got = read_back(tier, key, len(data))
+        assert got is None or got == data
+        tier.write(key, data)
+        assert read_back(tier, key, len(data)) == data
+    assert {c.key for c in tier.scan()} == set(keys)
+    tier.close()
+
+
+def test_a_read_never_exceeds_the_buffer_on_any_node(cluster: RedisCluster) -> None:
+    tier = cluster_tier(cluster.url, key_prefix="bounded:")
+    keys = [key_of(f"bounded {i}") for i in range(12)]
+    for key in keys:
+        data = sealed_chunk(key)
+        tier.write(key, data)
+        dst = page_buffer(len(data))
+        assert tier.read_into(key, dst, namespace=NAMESPACE) == len(data)
+        assert read_back(tier, key, len(data)) == data
+    tier.close()
