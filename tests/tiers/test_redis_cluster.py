@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from kvtier import codec
 from kvtier.errors import CorruptChunkError, TierIOError
@@ -59,8 +60,6 @@ def test_keys_and_index_buckets_spread_over_every_primary(cluster: RedisCluster)
         tier.write(key, sealed_chunk(key, 100))
     ns = NAMESPACE.hex()
     for node in cluster.primary_nodes():
-        import redis
-
         r = redis.Redis(host=node.host, port=node.port)
         held = set(r.scan_iter(match="spread:z:*", count=1000))
         assert 40 < len(held) < 120, f"{node}: {len(held)} of the index buckets"
@@ -163,3 +162,16 @@ def test_a_read_never_exceeds_the_buffer_on_any_node(cluster: RedisCluster) -> N
         assert tier.read_into(key, dst, namespace=NAMESPACE) == len(data)
         assert read_back(tier, key, len(data)) == data
     tier.close()
+
+
+def test_bench_runs_on_the_cluster_with_tiny_sizes(cluster: RedisCluster) -> None:
+    from kvtier.bench.shared_redis import bench_redis
+
+    figures = bench_redis(cluster.url, sizes=(64 << 10,), count=4, repeats=2, cluster=True)
+    for name in ("redis_cluster_read_ratio", "redis_cluster_write_ratio",
+                 "redis_cluster_plain_get_MBps_64KiB", "redis_cluster_tier_write_MBps_64KiB"):
+        assert figures[name] > 0, name
+    for node in cluster.primary_nodes():
+        r = redis.Redis(host=node.host, port=node.port)
+        assert not list(r.scan_iter(match="kvtier-bench-*")), "the bench removes what it wrote"
+        r.close()
