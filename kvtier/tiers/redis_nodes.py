@@ -16,6 +16,7 @@ is followed only to a node the map already names.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -27,6 +28,7 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import AskError, ResponseError
 
+log = logging.getLogger(__name__)
 SLOTS = 16384
 REFRESH_EVERY_S = 0.25
 """The map is reloaded at most this often, however many calls fail."""
@@ -133,6 +135,7 @@ class ClusterNodes:
         self._loaded_at = 0.0
         self._lock = threading.Lock()
         self._reload = threading.Lock()
+        self._keeping = False
 
     def client_for(self, key: str) -> redis.Redis:
         slot = key_slot(key.encode())
@@ -172,13 +175,28 @@ class ClusterNodes:
         if current is None:
             self._reload.acquire()
         try:
-            if self._map is None or (self._stale and
-                                     time.monotonic() - self._loaded_at >= REFRESH_EVERY_S):
+            if self._map is None:
                 self._load()
+            elif self._stale and time.monotonic() - self._loaded_at >= REFRESH_EVERY_S:
+                self._reload_or_keep()
         finally:
             self._reload.release()
         assert self._map is not None
         return self._map
+
+    def _reload_or_keep(self) -> None:
+        """Reload the map; if no node gives a good one, keep the old (logged once a change)."""
+        try:
+            self._load()
+        except redis.RedisError as exc:
+            if not self._keeping:
+                log.warning("redis cluster via %s:%d: no node gave a slot map (%s: %s); "
+                            "using the last one", *self.seed, type(exc).__name__, exc)
+            self._keeping = True
+            return
+        if self._keeping:
+            log.info("redis cluster via %s:%d: slot map reloaded", *self.seed)
+        self._keeping = False
 
     def _load(self) -> None:
         self._loaded_at = time.monotonic()
