@@ -1,6 +1,7 @@
 """The ``redis`` tier: chunks as values on a Redis or Valkey server, or a Redis Cluster, that
 every node reaches. Key names: :mod:`~kvtier.tiers.redis_layout`; which node serves a key:
-:mod:`~kvtier.tiers.redis_nodes`.
+:mod:`~kvtier.tiers.redis_nodes`; calls, redirects and bounded reads:
+:mod:`~kvtier.tiers.redis_routes`; notes: :mod:`~kvtier.tiers.redis_notes`.
 
 A write or delete changes a chunk and its index entries in one MULTI/EXEC on one hash slot, so
 a reader or a listing sees both or neither. A read (STRLEN + GETRANGE up to the reader's buffer,
@@ -24,15 +25,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar, cast
+from collections.abc import Iterator
+from typing import Any, cast
 
 import redis
-from redis.exceptions import AskError, MovedError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from kvtier import codec
 from kvtier.config import TierConfig
-from kvtier.errors import ChunkTooLarge, NoteTooLarge, TierIOError
+from kvtier.errors import ChunkTooLarge, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import StoredChunk
 from kvtier.tiers.redis_client import Calls, make_nodes
@@ -40,7 +41,6 @@ from kvtier.tiers.redis_index import (
     hex_member,
     is_wrongtype,
     mtime_of,
-    note_member,
     size_of,
 )
 from kvtier.tiers.redis_layout import BUCKETS, Layout, bucket_of
@@ -52,14 +52,13 @@ from kvtier.tiers.redis_memory import (
     footprint,
     read_facts,
 )
+from kvtier.tiers.redis_notes import Notes
 from kvtier.tiers.redis_options import load_password, parse_options
-from kvtier.tiers.redis_upkeep import drop_if_gone
-from kvtier.tiers.redis_wire import Arg, transaction
+from kvtier.tiers.redis_routes import Routes
 from kvtier.tiers.shared import (
     MAX_LISTED_NOTES,
     MAX_NOTE_BYTES,
     SharedTier,
-    check_note_name,
     key_hex,
     namespace_hex,
     split_options,
@@ -67,25 +66,13 @@ from kvtier.tiers.shared import (
 from kvtier.tiers.skips import Skips
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 BAD_NAMESPACE = "namespace members that are not 64 hex digits"
 BAD_MEMBER = "index members that are not 64-hex keys"
 BAD_BUCKET = "index members in another key's bucket"
 BAD_SIZE = "sizes that are not positive integers up to the capacity"
 SCANNED = (BAD_NAMESPACE, BAD_MEMBER, BAD_BUCKET, BAD_SIZE)
 """What a complete :meth:`RedisTier.scan` meets every entry of."""
-BATCH = 512
-"""Index entries per ZSCAN page, HMGET and EXISTS round trip."""
-MAX_REDIRECTS = 3
-"""MOVED / ASK replies followed for one call before it fails (a slot moving back and forth)."""
 NAMESPACE_REFRESH_S = 60.0
-
-
-class Bounded(NamedTuple):
-    """A value read no further than a limit: its whole length, and its first bytes."""
-
-    size: int
-    data: bytes
 
 
 class RedisTier(SharedTier):
@@ -101,6 +88,8 @@ class RedisTier(SharedTier):
         self.layout = Layout(self.options.key_prefix)
         self.skips = Skips(name)
         """Entries of the index other writers left that do not parse, by kind."""
+        self.routes = Routes(self.nodes, self.calls, self.skips)
+        self.notes = Notes(name, self.routes, self.layout, self.skips)
         ttl = self.options.chunk_ttl_s
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
         self._registered: dict[str, float] = {}
@@ -127,71 +116,6 @@ class RedisTier(SharedTier):
             log.warning("redis tier %s (%s): %s", self.name, self.endpoint.redacted(), warning)
         return facts
 
-    # ------------------------------------------------------------------ calls
-
-    def _at(self, key: str, what: str, call: Callable[[redis.Redis], T], *,
-            asking: Callable[[redis.Redis], T] | None = None) -> T:
-        """``call(client)`` on the node that serves ``key``, under the retry policy. A MOVED
-        reloads the cluster's map and tries again; an ASK runs ``asking`` on the node named
-        (where given; else it counts as a MOVED); at most :data:`MAX_REDIRECTS` of them."""
-        def attempt() -> T:
-            asked: redis.Redis | None = None
-            for _ in range(MAX_REDIRECTS + 1):
-                try:
-                    if asked is not None and asking is not None:
-                        return asking(asked)
-                    return call(self.nodes.client_for(key))
-                except AskError as exc:  # MovedError is one too
-                    asked = None
-                    if isinstance(exc, MovedError) or asking is None:
-                        self.nodes.moved(exc)
-                    else:
-                        asked = self.nodes.asking(exc)
-            raise redis.ConnectionError(f"{key}: still redirected after {MAX_REDIRECTS} "
-                                        "redirects (its slot is moving)")
-        return self.calls.run(what, attempt)
-
-    def _exec(self, key: str, what: str, commands: list[tuple[Arg, ...]], *,
-              raise_errors: bool = True) -> list[Any]:
-        """``commands`` (all on ``key``'s slot) in one MULTI/EXEC round trip."""
-        return self._at(key, what, lambda c: transaction(
-            c.connection_pool, commands, raise_errors=raise_errors), asking=lambda c: transaction(
-            c.connection_pool, commands, raise_errors=raise_errors, asking=True))
-
-    def _batch(self, key: str, what: str, queue: Callable[[Any], object], *,
-               raise_on_error: bool = True) -> list[Any]:
-        """``queue(pipe)`` adds commands for keys on ``key``'s node; they run pipelined, not
-        atomically. Without ``raise_on_error`` a refused command's error is its reply."""
-        def call(client: redis.Redis) -> list[Any]:
-            with client.pipeline(transaction=False) as pipe:
-                queue(pipe)
-                replies = pipe.execute(raise_on_error=False)
-            for reply in replies:
-                if isinstance(reply, AskError) or (raise_on_error
-                                                   and isinstance(reply, RedisError)):
-                    raise reply
-            return replies
-        return self._at(key, what, call)
-
-    def _each(self, keys: list[str], what: str, command: Callable[[Any, str], object]
-              ) -> list[Any]:
-        """``command(pipe, key)`` for each of ``keys`` (any slots), pipelined per node; the
-        replies in the order of ``keys``, a refused command's error as its reply."""
-        def groups() -> dict[int, list[int]]:
-            by_node: dict[int, list[int]] = {}
-            for i, key in enumerate(keys):
-                by_node.setdefault(id(self.nodes.client_for(key)), []).append(i)
-            return by_node
-        replies: list[Any] = [None] * len(keys)
-        for group in self.calls.run(what, groups).values():
-            def queue(pipe: Any, group: list[int] = group) -> None:
-                for i in group:
-                    command(pipe, keys[i])
-            got = self._batch(keys[group[0]], what, queue, raise_on_error=False)
-            for i, reply in zip(group, got, strict=True):
-                replies[i] = reply
-        return replies
-
     # ------------------------------------------------------------------ chunks
 
     def footprint(self, nbytes: int) -> int:
@@ -205,7 +129,7 @@ class RedisTier(SharedTier):
         name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
         expiry = () if self._ttl_ms is None else (b"PX", self._ttl_ms)
         stored = footprint(len(view))
-        self._exec(name, f"writing {hexkey[:16]}", [
+        self.routes.exec(name, f"writing {hexkey[:16]}", [
             (b"SET", name, view, *expiry),
             (b"ZADD", self.layout.index(ns, bucket), time.time(), hexkey),
             (b"HSET", self.layout.sizes(ns, bucket), hexkey, stored)])
@@ -217,14 +141,14 @@ class RedisTier(SharedTier):
         if now - self._registered.get(ns, -NAMESPACE_REFRESH_S) < NAMESPACE_REFRESH_S:
             return
         names = self.layout.namespaces
-        self._at(names, "adding a namespace", lambda c: c.sadd(names, ns))
+        self.routes.at(names, "adding a namespace", lambda c: c.sadd(names, ns))
         self._registered[ns] = now
 
     def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
         hexkey = key_hex(key)
         name = self.layout.chunk(namespace_hex(namespace), hexkey)
         out = memoryview(dst).cast("B")
-        found = self._bounded_get(name, len(out), f"reading {hexkey[:16]}")
+        found = self.routes.bounded_get(name, len(out), f"reading {hexkey[:16]}")
         if found is None or found.size == 0:  # an empty value is no chunk either
             return None
         if found.size > len(out):
@@ -234,32 +158,10 @@ class RedisTier(SharedTier):
         out[: len(found.data)] = found.data
         return len(found.data)
 
-    def _bounded_get(self, name: str, limit: int, what: str, *,
-                     exists: bool = False) -> Bounded | None:
-        """The value's length and at most its first ``limit`` bytes, in one MULTI/EXEC
-        round trip (as fast as a GET, measured: a Lua script doing the same is 40% slower),
-        so a value over ``limit`` is never transferred. ``None``: a value of another type
-        (skipped, counted), or, with ``exists``, no value at all."""
-        commands: list[tuple[Arg, ...]] = [(b"STRLEN", name)]
-        if limit > 0:  # GETRANGE 0 -1 would be the whole value
-            commands.append((b"GETRANGE", name, 0, limit - 1))
-        if exists:
-            commands.append((b"EXISTS", name))
-        replies = self._exec(name, what, commands, raise_errors=False)
-        for reply in replies:
-            if is_wrongtype(reply):
-                self.skips.add("values of another type", where=name)
-                return None
-            if isinstance(reply, RedisError):
-                raise self.calls.translate(reply, what) from reply
-        if exists and not replies[-1]:
-            return None
-        return Bounded(int(replies[0]), bytes(replies[1]) if limit > 0 else b"")
-
     def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         ns, hexkey = namespace_hex(namespace), key_hex(key)
         name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
-        self._exec(name, f"deleting {hexkey[:16]}", [
+        self.routes.exec(name, f"deleting {hexkey[:16]}", [
             (b"DEL", name), (b"ZREM", self.layout.index(ns, bucket), hexkey),
             (b"HDEL", self.layout.sizes(ns, bucket), hexkey)])
 
@@ -276,7 +178,7 @@ class RedisTier(SharedTier):
             if self._ttl_ms is not None:
                 pipe.pexpire(name, self._ttl_ms)
 
-        self._batch(name, f"touching {hexkey[:16]}", queue)
+        self.routes.batch(name, f"touching {hexkey[:16]}", queue)
 
     def scan(self) -> Iterator[StoredChunk]:
         before = self.skips.snapshot()
@@ -292,7 +194,7 @@ class RedisTier(SharedTier):
         ns = namespace_hex(namespace)
         for bucket in BUCKETS:
             seen: set[bytes] = set()  # ZSCAN may return an entry twice while Redis rehashes
-            for page in self._zscan(self.layout.index(ns, bucket), "listing chunks"):
+            for page in self.routes.zscan(self.layout.index(ns, bucket), "listing chunks"):
                 fresh = self._members(page, bucket, seen)
                 now = time.time()
                 for member, score, size in self._sized(ns, bucket, fresh):
@@ -311,25 +213,6 @@ class RedisTier(SharedTier):
         self.skips.add(BAD_BUCKET, len(keys) - len(mine))
         return mine
 
-    def _zscan(self, index: str, what: str) -> Iterator[list[tuple[bytes, float]]]:
-        """ZSCAN pages; a key of another type under ``index`` has none (skipped, counted)."""
-        cursor = 0
-        while True:
-            def step(client: redis.Redis, at: int = cursor
-                     ) -> tuple[int, list[tuple[bytes, float]]]:
-                try:
-                    return cast(tuple[int, list[tuple[bytes, float]]],
-                                client.zscan(index, at, count=BATCH))
-                except ResponseError as exc:
-                    if not is_wrongtype(exc):
-                        raise
-                    self.skips.add("index keys of another type", where=index)
-                    return 0, []
-            cursor, page = self._at(index, what, step)
-            yield page
-            if cursor == 0:
-                return
-
     def _sized(self, ns: str, bucket: str, page: list[tuple[bytes, float]]
                ) -> Iterator[tuple[bytes, float, int]]:
         """Each member with its size from the size hash; a size that is missing (evicted) or
@@ -338,7 +221,7 @@ class RedisTier(SharedTier):
             return
         members = [m for m, _ in page]
         where = self.layout.sizes(ns, bucket)
-        hashed = self._batch(where, "listing sizes", lambda pipe: pipe.hmget(where, members),
+        hashed = self.routes.batch(where, "listing sizes", lambda pipe: pipe.hmget(where, members),
                              raise_on_error=False)[0]
         if is_wrongtype(hashed):
             self.skips.add("size hashes of another type", where=where)
@@ -352,7 +235,7 @@ class RedisTier(SharedTier):
         lost = [m for m, size in zip(members, sizes, strict=True) if size is None]
         lengths: dict[bytes, int] = {}
         if lost:  # the size hash was evicted: ask the chunks (0 for one that is gone too)
-            found = self._batch(where, "reading lost sizes", lambda pipe: [
+            found = self.routes.batch(where, "reading lost sizes", lambda pipe: [
                 pipe.strlen(self.layout.chunk(ns, m.decode())) for m in lost],
                 raise_on_error=False)
             lengths = {m: n if isinstance(n, int) else 0 for m, n in zip(lost, found,
@@ -369,7 +252,7 @@ class RedisTier(SharedTier):
     def _count(self, ns: str) -> int:
         """Index entries of ``ns`` over its buckets (those of another type count none)."""
         indexes = [self.layout.index(ns, b) for b in BUCKETS]
-        counts = self._each(indexes, "counting chunks", lambda pipe, k: pipe.zcard(k))
+        counts = self.routes.each(indexes, "counting chunks", lambda pipe, k: pipe.zcard(k))
         for index, n in zip(indexes, counts, strict=True):
             if is_wrongtype(n):
                 self.skips.add("index keys of another type", where=index)
@@ -390,7 +273,7 @@ class RedisTier(SharedTier):
                     raise
                 self.skips.add("namespace sets of another type", where=names)
                 return set()
-        found = self._at(names, "listing namespaces", members)
+        found = self.routes.at(names, "listing namespaces", members)
         listed = sorted(ns for ns in map(hex_member, found) if ns is not None)
         self.skips.add(BAD_NAMESPACE, len(found) - len(listed))
         return listed
@@ -398,59 +281,17 @@ class RedisTier(SharedTier):
     # ------------------------------------------------------------------ notes
 
     def put_note(self, name: str, data: bytes) -> None:
-        key = self.layout.note(check_note_name(name))
-        self._exec(key, f"writing note {name}", [
-            (b"SET", key, data), (b"ZADD", self.layout.notes, 0, name)])
+        self.notes.put(name, data)
 
     def get_note(self, name: str, max_bytes: int = MAX_NOTE_BYTES) -> bytes | None:
-        key = self.layout.note(check_note_name(name))
-        found = self._bounded_get(key, max_bytes, f"reading note {name}", exists=True)
-        if found is None:
-            return None
-        if found.size > max_bytes:
-            raise NoteTooLarge(f"redis tier {self.name}: note {name} holds {found.size} bytes, "
-                               f"more than the {max_bytes} a note may (not read)")
-        return found.data
+        return self.notes.get(name, max_bytes)
 
     def list_notes(self, prefix: str, start_after: str = "",
                    limit: int = MAX_LISTED_NOTES) -> list[str]:
-        """The first ``limit`` valid note names under ``prefix`` (at any depth), in order;
-        members of the name index that are not note names are skipped and counted."""
-        folder = check_note_name(prefix.rstrip("/")) + "/"
-        low = b"(" + start_after.encode() if start_after >= folder else b"[" + folder.encode()
-        high = f"({folder[:-1]}0"  # '0' follows '/': the end of the folder's range
-        names: list[str] = []
-        while len(names) < limit:
-            want = min(limit - len(names), BATCH * 8)
-            page = self._notes_range(f"listing notes {prefix}", low, high, want)
-            valid = [n for n in map(note_member, page) if n is not None and n > start_after]
-            self.skips.add("note names that are not valid", len(page) - len(valid))
-            names += valid
-            if len(page) < want:
-                break
-            low = b"(" + page[-1]
-        return names
-
-    def _notes_range(self, what: str, low: bytes, high: str, count: int) -> list[bytes]:
-        """Up to ``count`` members of the name index in (low, high); none where another
-        type sits under its name."""
-        notes = self.layout.notes
-
-        def call(client: redis.Redis) -> list[bytes]:
-            try:
-                return cast(list[bytes], client.zrangebylex(notes, low, high, start=0,
-                                                            num=count))
-            except ResponseError as exc:
-                if not is_wrongtype(exc):
-                    raise
-                self.skips.add("index keys of another type", where=notes)
-                return []
-        return self._at(notes, what, call)
+        return self.notes.names(prefix, start_after, limit)
 
     def delete_note(self, name: str) -> None:
-        key = self.layout.note(check_note_name(name))
-        self._exec(key, f"deleting note {name}", [
-            (b"DEL", key), (b"ZREM", self.layout.notes, name)])
+        self.notes.delete(name)
 
     # ------------------------------------------------------------------ upkeep
 
@@ -467,28 +308,12 @@ class RedisTier(SharedTier):
         for ns in self._indexed_namespaces():
             for bucket in BUCKETS:
                 index = self.layout.index(ns, bucket)
-                for page in self._zscan(index, "reconciling the index"):
+                for page in self.routes.zscan(index, "reconciling the index"):
                     keys = {m: self.layout.chunk(ns, m.decode()) for m, _ in page
                             if hex_member(m) and m[:2].decode() == bucket}
-                    dropped += self._drop_vanished(index, self.layout.sizes(ns, bucket), keys)
+                    dropped += self.routes.drop_vanished(index, self.layout.sizes(ns, bucket), keys)
             self._forget_if_empty(ns)
-        for page in self._zscan(self.layout.notes, "reconciling notes"):
-            notes = {m: self.layout.note(n) for m, n in
-                     ((m, note_member(m)) for m, _ in page) if n is not None}
-            dropped += self._drop_vanished(self.layout.notes, None, notes)
-        return dropped
-
-    def _drop_vanished(self, index: str, sizes: str | None, keys: dict[bytes, str]) -> int:
-        """``keys`` (member -> value key) all share ``index``'s slot."""
-        if not keys:
-            return 0
-        there = self._batch(index, "checking indexed keys", lambda pipe: [
-            pipe.exists(k) for k in keys.values()])
-        gone = {m: k for (m, k), n in zip(keys.items(), there, strict=True) if not n}
-        if not gone:
-            return 0
-        return self._at(index, "dropping vanished index entries",
-                        lambda client: drop_if_gone(client, index, sizes, gone))
+        return dropped + self.notes.reconcile()
 
     def _forget_if_empty(self, ns: str) -> None:
         """Remove ``ns`` from the namespace set if none of its buckets holds an entry; put it
@@ -496,10 +321,10 @@ class RedisTier(SharedTier):
         if self._count(ns):
             return
         names = self.layout.namespaces
-        self._at(names, "forgetting an empty namespace", lambda c: c.srem(names, ns))
+        self.routes.at(names, "forgetting an empty namespace", lambda c: c.srem(names, ns))
         self._registered.pop(ns, None)
         if self._count(ns):
-            self._at(names, "keeping a namespace", lambda c: c.sadd(names, ns))
+            self.routes.at(names, "keeping a namespace", lambda c: c.sadd(names, ns))
 
     def describe(self) -> dict[str, Any]:
         source = ("password_env" if self.options.password_env else

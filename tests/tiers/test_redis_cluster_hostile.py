@@ -52,9 +52,31 @@ HELLO = b"%1\r\n$5\r\nproto\r\n:3\r\n"
 """redis-py 8 opens each connection with HELLO 3 (RESP3)."""
 
 
+def split_commands(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The names of the whole RESP commands at the start of ``buffer``, and the rest."""
+    names = []
+    while True:
+        at, parts = 0, []
+        header = buffer.find(b"\r\n")
+        if not buffer.startswith(b"*") or header < 0:
+            return names, buffer
+        at = header + 2
+        for _ in range(int(buffer[1:header])):
+            end = buffer.find(b"\r\n", at)
+            if end < 0:
+                return names, buffer
+            size = int(buffer[at + 1:end])
+            if len(buffer) < end + 2 + size + 2:
+                return names, buffer
+            parts.append(buffer[end + 2:end + 2 + size])
+            at = end + 2 + size + 2
+        names.append(parts[0].upper() if parts else b"")
+        buffer = buffer[at:]
+
+
 class FakeNode:
     """A socket that answers like a cluster node of a hostile kind: ``slots`` to CLUSTER
-    SLOTS, ``other`` to anything else (one reply per packet received)."""
+    SLOTS, ``other`` to anything else (one reply per command)."""
 
     def __init__(self, slots: bytes, other: bytes) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -76,6 +98,7 @@ class FakeNode:
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(5)
+        buffer = b""
         with conn:
             while not self._stop.is_set():
                 try:
@@ -84,10 +107,20 @@ class FakeNode:
                     return
                 if not data:
                     return
-                self.requests += 1
-                conn.sendall(HELLO if b"HELLO" in data.upper() else
-                             self.slots if b"SLOTS" in data.upper() else
-                             self.other.replace(b"PORT", str(self.port).encode()))
+                buffer += data
+                commands, buffer = split_commands(buffer)
+                for name in commands:
+                    self.requests += 1
+                    conn.sendall(self.reply(name))
+
+    def reply(self, name: bytes) -> bytes:
+        if name == b"HELLO":
+            return HELLO
+        if name == b"CLUSTER":
+            return self.slots
+        if name == b"CLIENT":  # redis-py's CLIENT SETINFO after connecting
+            return b"+OK\r\n"
+        return self.other.replace(b"PORT", str(self.port).encode())
 
     def close(self) -> None:
         self._stop.set()
