@@ -54,7 +54,8 @@ from kvtier.tiers.redis_memory import (
 )
 from kvtier.tiers.redis_notes import Notes
 from kvtier.tiers.redis_options import load_password, parse_options
-from kvtier.tiers.redis_routes import Routes
+from kvtier.tiers.redis_routes import BATCH, Routes
+from kvtier.tiers.redis_upkeep import drop_if_gone
 from kvtier.tiers.shared import (
     MAX_LISTED_NOTES,
     MAX_NOTE_BYTES,
@@ -73,6 +74,8 @@ BAD_SIZE = "sizes that are not positive integers up to the capacity"
 SCANNED = (BAD_NAMESPACE, BAD_MEMBER, BAD_BUCKET, BAD_SIZE)
 """What a complete :meth:`RedisTier.scan` meets every entry of."""
 NAMESPACE_REFRESH_S = 60.0
+Page = list[tuple[bytes, float]]
+"""ZSCAN entries of an index bucket: (member, score)."""
 
 
 class RedisTier(SharedTier):
@@ -192,17 +195,37 @@ class RedisTier(SharedTier):
         that are not keys, or not of their bucket, are skipped; an index of another type
         lists nothing."""
         ns = namespace_hex(namespace)
-        for bucket in BUCKETS:
-            seen: set[bytes] = set()  # ZSCAN may return an entry twice while Redis rehashes
-            for page in self.routes.zscan(self.layout.index(ns, bucket), "listing chunks"):
-                fresh = self._members(page, bucket, seen)
-                now = time.time()
-                for member, score, size in self._sized(ns, bucket, fresh):
-                    yield StoredChunk(ChunkKey(bytes.fromhex(member.decode())), size,
-                                      mtime_of(score, now), 35, namespace)
+        seen: dict[str, set[bytes]] = {b: set() for b in BUCKETS}  # ZSCAN may repeat entries
+        for group in self._page_groups(ns, "listing chunks"):
+            fresh = [(b, self._members(page, b, seen[b])) for b, page in group]
+            now = time.time()
+            for member, score, size in self._sized(ns, fresh):
+                yield StoredChunk(ChunkKey(bytes.fromhex(member.decode())), size,
+                                  mtime_of(score, now), 35, namespace)
 
-    def _members(self, page: list[tuple[bytes, float]], bucket: str, seen: set[bytes]
-                 ) -> list[tuple[bytes, float]]:
+    def _page_groups(self, ns: str, what: str) -> Iterator[list[tuple[str, Page]]]:
+        """The index buckets' ZSCAN pages: first a page of every bucket (pipelined per
+        node), then the further pages of the buckets that have more, one at a time."""
+        indexes = [self.layout.index(ns, b) for b in BUCKETS]
+        firsts = self.routes.each(indexes, what, lambda pipe, k: pipe.zscan(k, 0, count=BATCH))
+        group: list[tuple[str, Page]] = []
+        more: list[tuple[str, str, int]] = []
+        for bucket, index, first in zip(BUCKETS, indexes, firsts, strict=True):
+            if is_wrongtype(first):
+                self.skips.add("index keys of another type", where=index)
+                continue
+            if isinstance(first, RedisError):
+                raise self.calls.translate(first, what) from first
+            cursor, page = first
+            group.append((bucket, page))
+            if int(cursor):
+                more.append((bucket, index, int(cursor)))
+        yield group
+        for bucket, index, cursor in more:
+            for page in self.routes.zscan(index, what, start=cursor):
+                yield [(bucket, page)]
+
+    def _members(self, page: Page, bucket: str, seen: set[bytes]) -> Page:
         """The page's entries not seen before whose member is a key of ``bucket``; the others
         are counted as skipped."""
         fresh = [(m, s) for m, s in page if m not in seen]
@@ -213,16 +236,23 @@ class RedisTier(SharedTier):
         self.skips.add(BAD_BUCKET, len(keys) - len(mine))
         return mine
 
-    def _sized(self, ns: str, bucket: str, page: list[tuple[bytes, float]]
+    def _sized(self, ns: str, pages: list[tuple[str, Page]]
                ) -> Iterator[tuple[bytes, float, int]]:
-        """Each member with its size from the size hash; a size that is missing (evicted) or
-        not a positive integer (garbage) is asked of the chunk itself: 0 means it is gone."""
-        if not page:
-            return
+        """Each member of ``pages`` (bucket, entries) with its size: the size buckets' HMGETs
+        pipelined per node."""
+        pages = [(b, page) for b, page in pages if page]
+        wheres = [self.layout.sizes(ns, b) for b, _ in pages]
+        members = {w: [m for m, _ in page] for w, (_, page) in zip(wheres, pages, strict=True)}
+        hashes = self.routes.each(wheres, "listing sizes",
+                                  lambda pipe, k: pipe.hmget(k, members[k]))
+        for (_, page), where, hashed in zip(pages, wheres, hashes, strict=True):
+            yield from self._sized_page(ns, page, where, hashed)
+
+    def _sized_page(self, ns: str, page: Page, where: str, hashed: Any
+                    ) -> Iterator[tuple[bytes, float, int]]:
+        """A size that is missing (evicted) or not a positive integer (garbage) is asked of
+        the chunk itself: 0 means it is gone."""
         members = [m for m, _ in page]
-        where = self.layout.sizes(ns, bucket)
-        hashed = self.routes.batch(where, "listing sizes", lambda pipe: pipe.hmget(where, members),
-                             raise_on_error=False)[0]
         if is_wrongtype(hashed):
             self.skips.add("size hashes of another type", where=where)
             hashed = [None] * len(members)
@@ -306,14 +336,36 @@ class RedisTier(SharedTier):
         checked again under WATCH, so an entry a writer re-creates meanwhile is kept."""
         dropped = 0
         for ns in self._indexed_namespaces():
-            for bucket in BUCKETS:
-                index = self.layout.index(ns, bucket)
-                for page in self.routes.zscan(index, "reconciling the index"):
-                    keys = {m: self.layout.chunk(ns, m.decode()) for m, _ in page
-                            if hex_member(m) and m[:2].decode() == bucket}
-                    dropped += self.routes.drop_vanished(index, self.layout.sizes(ns, bucket), keys)
+            for group in self._page_groups(ns, "reconciling the index"):
+                dropped += self._drop_gone(ns, group)
             self._forget_if_empty(ns)
         return dropped + self.notes.reconcile()
+
+    def _drop_gone(self, ns: str, group: list[tuple[str, Page]]) -> int:
+        """Drop the entries of ``group`` whose chunk is gone: EXISTS pipelined per node,
+        :data:`BATCH` x 8 at a time, then one WATCHed transaction per bucket that lost any."""
+        entries = [(b, m, self.layout.chunk(ns, m.decode())) for b, page in group
+                   for m, _ in page if hex_member(m) and m[:2].decode() == b]
+        dropped = 0
+        step = BATCH * 8
+        for at in range(0, len(entries), step):
+            batch = entries[at:at + step]
+            there = self.routes.each([name for _, _, name in batch], "checking indexed keys",
+                                     lambda pipe, k: pipe.exists(k))
+            gone: dict[str, dict[bytes, str]] = {}
+            for (bucket, member, name), n in zip(batch, there, strict=True):
+                if isinstance(n, RedisError):
+                    raise self.calls.translate(n, "checking indexed keys") from n
+                if not n:
+                    gone.setdefault(bucket, {})[member] = name
+            for bucket, lost in gone.items():
+                dropped += self._drop_if_gone(ns, bucket, lost)
+        return dropped
+
+    def _drop_if_gone(self, ns: str, bucket: str, lost: dict[bytes, str]) -> int:
+        index, sizes = self.layout.index(ns, bucket), self.layout.sizes(ns, bucket)
+        return self.routes.at(index, "dropping vanished index entries",
+                              lambda client: drop_if_gone(client, index, sizes, lost))
 
     def _forget_if_empty(self, ns: str) -> None:
         """Remove ``ns`` from the namespace set if none of its buckets holds an entry; put it

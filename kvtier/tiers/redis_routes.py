@@ -130,9 +130,11 @@ class Routes:
             return None
         return Bounded(int(replies[0]), bytes(replies[1]) if limit > 0 else b"")
 
-    def zscan(self, index: str, what: str) -> Iterator[list[tuple[bytes, float]]]:
-        """ZSCAN pages; a key of another type under ``index`` has none (skipped, counted)."""
-        cursor = 0
+    def zscan(self, index: str, what: str, *, start: int = 0
+              ) -> Iterator[list[tuple[bytes, float]]]:
+        """ZSCAN pages from cursor ``start``; a key of another type under ``index`` has none
+        (skipped, counted)."""
+        cursor = start
         while True:
             def step(client: redis.Redis, at: int = cursor
                      ) -> tuple[int, list[tuple[bytes, float]]]:
