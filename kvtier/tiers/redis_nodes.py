@@ -8,8 +8,9 @@ after a redirect (MOVED: a slot moved, or a replica took over) and after a faile
 (a primary died), at most every :data:`REFRESH_EVERY_S`; until the cluster has promoted a
 replica, calls for a dead primary's slots fail fast and the store counts them as misses.
 
-A ``CLUSTER SLOTS`` reply is input from the network: it is size-capped and checked (slot
-ranges, ports, host names) before it replaces the map; a bad one is refused and the old map
+A ``CLUSTER SLOTS`` reply is input from the network: it is checked (at most 16384 ranges
+within the slots, ports, host names, at most :data:`MAX_NODES` primaries) before it replaces the
+map, and the pools of nodes that left it are let go; a bad one is refused and the old map
 kept. Redirects are never followed blindly: a MOVED reloads the map from the cluster, an ASK
 is followed only to a node the map already names.
 """
@@ -208,6 +209,9 @@ class ClusterNodes:
                 reply = self._client(address).execute_command("CLUSTER SLOTS")
                 self._map = parse_slots(reply, address)
                 self._stale = False
+                keep = {self.seed, *self._map.primaries}
+                with self._lock:  # calls on a dropped pool finish; its sockets close with it
+                    self._clients = {a: c for a, c in self._clients.items() if a in keep}
                 return
             except ResponseError as exc:
                 if "cluster support disabled" in str(exc):
