@@ -247,3 +247,35 @@ def test_a_chunk_another_server_wrote_is_offered_here(redis_server: RedisServer,
     assert load(reader, k, n=SLOT_BYTES - HEADER_SIZE).payloads == expected(
         k, n=SLOT_BYTES - HEADER_SIZE)
     reader.check_integrity()
+
+
+OLD_LAYOUT_PATTERNS = ("kvtier:c:[0-9a-f]*", "kvtier:z:[0-9a-f]*", "kvtier:s:[0-9a-f]*",
+                       "kvtier:n:[a-z]*", "kvtier:nz")
+"""docs/shared.md's redis-cli patterns for the keys of the layout without hash tags."""
+
+
+def test_keys_of_the_old_layout_are_misses_and_the_docs_patterns_match_only_them(
+        redis_server: RedisServer) -> None:
+    r = plain(redis_server)
+    key = key_of("old layout")
+    data = sealed_chunk(key)
+    ns, hexkey = NAMESPACE.hex(), key.hex()
+    old = {f"kvtier:c:{ns}:{hexkey}", f"kvtier:z:{ns}", f"kvtier:s:{ns}",
+           "kvtier:n:journal/1-a-1", "kvtier:nz"}
+    r.set(f"kvtier:c:{ns}:{hexkey}", bytes(data))
+    r.zadd(f"kvtier:z:{ns}", {hexkey: time.time()})
+    r.hset(f"kvtier:s:{ns}", hexkey, len(data))
+    r.sadd("kvtier:ns", ns)
+    r.set("kvtier:n:journal/1-a-1", b"old note")
+    r.zadd("kvtier:nz", {"journal/1-a-1": 0})
+    tier = redis_tier(redis_server.url)
+    assert read_back(tier, key, len(data)) is None, "an old chunk is a miss"
+    assert list(tier.scan()) == [] and tier.namespaces() == []
+    assert tier.list_notes("journal/") == []
+    assert tier.reconcile() == 0 and not r.sismember("kvtier:ns", ns), "forgotten"
+    tier.write(key, data)
+    tier.put_note("journal/2-b-1", b"new note")
+    assert read_back(tier, key, len(data)) == data
+    matched = {k.decode() for p in OLD_LAYOUT_PATTERNS for k in r.scan_iter(match=p)}
+    assert matched == old, "the cleanup removes the old keys, never a new one"
+    tier.close()
