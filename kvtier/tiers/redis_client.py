@@ -59,7 +59,7 @@ def make_nodes(options: RedisOptions, password: str | None) -> SingleNode | Clus
     endpoint = options.endpoint
     if not options.cluster:
         return SingleNode(make_client(options, password))
-    return ClusterNodes((endpoint.host, endpoint.port),
+    return ClusterNodes([(endpoint.host, endpoint.port), *options.seed_nodes],
                         lambda host, port: make_client(options, password, (host, port)))
 
 

@@ -127,8 +127,10 @@ class ClusterNodes:
 
     cluster = True
 
-    def __init__(self, seed: Address, make_client: MakeClient) -> None:
-        self.seed = seed
+    def __init__(self, seeds: list[Address], make_client: MakeClient) -> None:
+        self.seeds = seeds
+        """Where to ask for the map first: the url's node and the ``nodes`` option's."""
+        self.seed = seeds[0]
         self._make = make_client
         self._clients: dict[Address, redis.Redis] = {}
         self._map: SlotMap | None = None
@@ -201,7 +203,7 @@ class ClusterNodes:
 
     def _load(self) -> None:
         self._loaded_at = time.monotonic()
-        known = [self.seed, *(self._map.primaries if self._map else []),
+        known = [*self.seeds, *(self._map.primaries if self._map else []),
                  *self._clients]
         last: Exception | None = None
         for address in dict.fromkeys(known):
@@ -209,7 +211,7 @@ class ClusterNodes:
                 reply = self._client(address).execute_command("CLUSTER SLOTS")
                 self._map = parse_slots(reply, address)
                 self._stale = False
-                keep = {self.seed, *self._map.primaries}
+                keep = {*self.seeds, *self._map.primaries}
                 with self._lock:  # calls on a dropped pool finish; its sockets close with it
                     self._clients = {a: c for a, c in self._clients.items() if a in keep}
                 return

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from store_helpers import MakeStore, expected, keys, load, settle, store_chunks
 
 from kvtier import codec
 from kvtier.errors import CorruptChunkError, TierIOError
@@ -175,3 +176,47 @@ def test_bench_runs_on_the_cluster_with_tiny_sizes(cluster: RedisCluster) -> Non
         r = redis.Redis(host=node.host, port=node.port)
         assert not list(r.scan_iter(match="kvtier-bench-*")), "the bench removes what it wrote"
         r.close()
+
+
+def test_two_servers_share_chunks_through_the_cluster_and_outlive_a_primary(
+        make_redis_cluster: MakeCluster, make_store: MakeStore, tmp_path: Path) -> None:
+    cluster = make_redis_cluster(node_timeout_ms=1000)
+    tier = {"type": "redis", "name": "shared", "capacity_bytes": 1 << 28, "io_threads": 2,
+            "options": {"url": cluster.url, "cluster": True, "socket_timeout_s": 1.0,
+                        "connect_timeout_s": 0.5,
+                        "nodes": [f"{n.host}:{n.port}" for n in cluster.nodes[1:]]}}
+    writer = make_store(tmp_path / "a", tiers=[tier], slots=32)
+    writer.rebuild()
+    k = keys(24, "through the cluster")
+    store_chunks(writer, k)
+    settle(writer)
+    reader = make_store(tmp_path / "b", tiers=[tier], slots=32)
+    reader.rebuild()  # from the listing of every primary's buckets
+    assert reader.lookup(k) == ["shared"] * len(k)
+    assert load(reader, k).payloads == expected(k)
+    reader.check_integrity()
+
+    victim = cluster.nodes[0]  # the url's node: a server started later asks the others
+    assert cluster.role(victim) == "master"
+    victim.kill()
+    start = time.monotonic()
+    got = load(reader, k).payloads  # the lease holds what the arena already has
+    assert time.monotonic() - start < 12
+    assert all(p is None or p == e for p, e in zip(got, expected(k), strict=True))
+    cluster.wait_promoted(victim, timeout_s=20)
+    later = keys(8, "after failover")
+    deadline = time.monotonic() + 30  # the breaker's probe lets the tier back in
+    while time.monotonic() < deadline:
+        store_chunks(writer, later)
+        settle(writer)
+        fresh = make_store(tmp_path / f"c{int(time.monotonic() * 1000)}", tiers=[tier],
+                           slots=32)
+        fresh.rebuild()
+        if fresh.lookup(later) == ["shared"] * len(later):
+            break
+        time.sleep(1.0)
+    assert fresh.lookup(later) == ["shared"] * len(later), "the tier works after failover"
+    loaded = load(fresh, later).payloads
+    assert all(p is None or p == e for p, e in zip(loaded, expected(later), strict=True))
+    fresh.check_integrity()
+    writer.check_integrity()
