@@ -176,7 +176,7 @@ def test_an_ask_to_a_node_off_the_map_is_not_followed(fake: list[FakeNode]) -> N
         made.append((host, port))
         return redis.Redis(host=host, port=port, socket_timeout=1)
 
-    nodes = ClusterNodes(("127.0.0.1", node.port), make)
+    nodes = ClusterNodes([("127.0.0.1", node.port)], make)
     assert nodes.client_for("k").connection_pool.connection_kwargs["port"] == node.port
     with pytest.raises(redis.ConnectionError, match="not followed"):
         nodes.asking(AskError("1 10.9.9.9:6379"))
