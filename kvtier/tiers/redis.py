@@ -74,6 +74,7 @@ BAD_SIZE = "sizes that are not positive integers up to the capacity"
 SCANNED = (BAD_NAMESPACE, BAD_MEMBER, BAD_BUCKET, BAD_SIZE)
 """What a complete :meth:`RedisTier.scan` meets every entry of."""
 NAMESPACE_REFRESH_S = 60.0
+REGISTER_RETRY_S = 1.0
 Page = list[tuple[bytes, float]]
 """ZSCAN entries of an index bucket: (member, score)."""
 
@@ -97,6 +98,8 @@ class RedisTier(SharedTier):
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
         self._registered: dict[str, float] = {}
         """Namespace -> when this tier last added it to the namespace set (monotonic)."""
+        self._unregistered: set[str] = set()
+        """Namespaces whose last adding failed (logged once until one succeeds)."""
         self.facts = self._read_facts()
 
     @property
@@ -139,12 +142,26 @@ class RedisTier(SharedTier):
         return stored
 
     def _register(self, ns: str) -> None:
-        """Add ``ns`` to the namespace set before a write into it, again once a while."""
+        """Add ``ns`` to the namespace set before a write into it, again once a while. The
+        set lives on a slot of its own: while its node is down the write goes on (listings
+        miss the namespace until it is added), and the set is tried again a second later."""
         now = time.monotonic()
         if now - self._registered.get(ns, -NAMESPACE_REFRESH_S) < NAMESPACE_REFRESH_S:
             return
         names = self.layout.namespaces
-        self.routes.at(names, "adding a namespace", lambda c: c.sadd(names, ns))
+        try:
+            self.routes.at(names, "adding a namespace", lambda c: c.sadd(names, ns))
+        except TierIOError as exc:
+            if ns not in self._unregistered:
+                log.warning("%s (chunks are written; the namespace is listed once it is added)",
+                            exc)
+            self._unregistered.add(ns)
+            self._registered[ns] = now - NAMESPACE_REFRESH_S + REGISTER_RETRY_S
+            return
+        if ns in self._unregistered:
+            self._unregistered.discard(ns)
+            log.info("redis tier %s: namespace %s added to the namespace set", self.name,
+                     ns[:16])
         self._registered[ns] = now
 
     def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:

@@ -220,3 +220,29 @@ def test_two_servers_share_chunks_through_the_cluster_and_outlive_a_primary(
     assert all(p is None or p == e for p, e in zip(loaded, expected(later), strict=True))
     fresh.check_integrity()
     writer.check_integrity()
+
+
+def test_writes_go_on_while_the_namespace_sets_primary_is_down(
+        make_redis_cluster: MakeCluster, caplog: pytest.LogCaptureFixture) -> None:
+    cluster = make_redis_cluster(node_timeout_ms=4000)  # the others serve meanwhile
+    tier = cluster_tier(cluster.url, key_prefix="ns-down:",
+                        nodes=[f"{n.host}:{n.port}" for n in cluster.nodes[1:]])
+    victim = cluster.owner_of(tier.layout.namespaces)
+    ns = NAMESPACE.hex()
+    elsewhere = [k for k in (key_of(f"elsewhere {i}") for i in range(12))
+                 if cluster.owner_of(tier.layout.chunk(ns, k.hex())) is not victim][:4]
+    assert elsewhere
+    victim.kill()
+    for key in elsewhere:
+        tier.write(key, sealed_chunk(key))  # the namespace set is down, the chunks are not
+        assert read_back(tier, key, len(sealed_chunk(key))) == sealed_chunk(key)
+    assert sum("the namespace is listed once it is added" in r.getMessage()
+               for r in caplog.records) == 1, "one line, not one per write"
+    cluster.wait_promoted(victim, timeout_s=30)
+    deadline = time.monotonic() + 10
+    while tier.namespaces() != [NAMESPACE] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        tier.write(elsewhere[0], sealed_chunk(elsewhere[0]))  # adds it again, a second later
+    assert tier.namespaces() == [NAMESPACE]
+    assert set(elsewhere) <= {c.key for c in tier.scan()}
+    tier.close()
