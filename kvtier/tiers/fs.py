@@ -73,6 +73,9 @@ class FsTier(SharedTier):
         """Entries listings passed over since start (wrong type, unparseable name)."""
         return self._skipped.total
 
+    def backend_scope(self) -> str:
+        return f"fs:{self.root}"
+
     # ------------------------------------------------------------------ chunks
 
     def write(self, key: ChunkKey, data: memoryview) -> int:

@@ -168,6 +168,9 @@ class RedisTier(SharedTier):
                 return pipe.execute(raise_on_error=raise_on_error)
         return cast(list[Any], self._run(what, call))
 
+    def backend_scope(self) -> str:
+        return f"redis:{self.endpoint.db}/{self.options.key_prefix}"
+
     # ------------------------------------------------------------------ chunks
 
     def footprint(self, nbytes: int) -> int:
