@@ -54,8 +54,9 @@ from kvtier.tiers.redis_memory import (
     read_facts,
 )
 from kvtier.tiers.redis_options import load_password, parse_options
+from kvtier.tiers.redis_repair import run_typed
 from kvtier.tiers.redis_upkeep import drop_if_gone, forget_if_empty
-from kvtier.tiers.redis_wire import transaction
+from kvtier.tiers.redis_wire import Arg, transaction
 from kvtier.tiers.shared import (
     MAX_LISTED_NOTES,
     MAX_NOTE_BYTES,
@@ -150,14 +151,6 @@ class RedisTier(SharedTier):
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         return self.calls.run(what, call)
 
-    def _transaction(self, what: str, queue: Callable[[Any], object]) -> list[Any]:
-        """``queue(pipe)`` adds commands; they run in one MULTI/EXEC round trip."""
-        def call() -> list[Any]:
-            with self.client.pipeline(transaction=True) as pipe:
-                queue(pipe)
-                return pipe.execute()
-        return cast(list[Any], self._run(what, call))
-
     def _batch(self, what: str, queue: Callable[[Any], object], *,
                raise_on_error: bool = True) -> list[Any]:
         """``queue(pipe)`` adds commands; they run pipelined, not atomically. Without
@@ -186,9 +179,17 @@ class RedisTier(SharedTier):
                     (b"ZADD", self.layout.index(ns), time.time(), hexkey),
                     (b"HSET", self.layout.sizes(ns), hexkey, stored),
                     (b"SADD", self.layout.namespaces, ns)]
-        pool = self.client.connection_pool
-        self._run(f"writing {hexkey[:16]}", lambda: transaction(pool, commands))
+        typed = {self.layout.index(ns): "zset", self.layout.sizes(ns): "hash",
+                 self.layout.namespaces: "set"}
+        self._typed(f"writing {hexkey[:16]}", commands, typed)
         return stored
+
+    def _typed(self, what: str, commands: list[tuple[Arg, ...]], typed: dict[str, str]
+               ) -> None:
+        """``commands`` in one MULTI/EXEC, the index keys ``typed`` put back to their types
+        if another writer put another type there (:mod:`kvtier.tiers.redis_repair`)."""
+        pool = self.client.connection_pool
+        self._run(what, lambda: run_typed(pool, commands, typed, self.skips))
 
     def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
         hexkey = key_hex(key)
@@ -229,13 +230,10 @@ class RedisTier(SharedTier):
 
     def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         ns, hexkey = namespace_hex(namespace), key_hex(key)
-
-        def queue(pipe: Any) -> None:
-            pipe.delete(self.layout.chunk(ns, hexkey))
-            pipe.zrem(self.layout.index(ns), hexkey)
-            pipe.hdel(self.layout.sizes(ns), hexkey)
-
-        self._transaction(f"deleting {hexkey[:16]}", queue)
+        index, sizes = self.layout.index(ns), self.layout.sizes(ns)
+        self._typed(f"deleting {hexkey[:16]}",
+                    [(b"DEL", self.layout.chunk(ns, hexkey)), (b"ZREM", index, hexkey),
+                     (b"HDEL", sizes, hexkey)], {index: "zset", sizes: "hash"})
 
     def quarantine(self, key: ChunkKey, *, namespace: bytes) -> None:
         self.delete(key, namespace=namespace)  # nothing is kept on a store others read
@@ -355,12 +353,9 @@ class RedisTier(SharedTier):
 
     def put_note(self, name: str, data: bytes) -> None:
         check_note_name(name)
-
-        def queue(pipe: Any) -> None:
-            pipe.set(self.layout.note(name), data)
-            pipe.zadd(self.layout.notes, {name: 0})
-
-        self._transaction(f"writing note {name}", queue)
+        self._typed(f"writing note {name}", [(b"SET", self.layout.note(name), data),
+                                             (b"ZADD", self.layout.notes, 0, name)],
+                    {self.layout.notes: "zset"})
 
     def get_note(self, name: str, max_bytes: int = MAX_NOTE_BYTES) -> bytes | None:
         key = self.layout.note(check_note_name(name))
@@ -407,12 +402,9 @@ class RedisTier(SharedTier):
 
     def delete_note(self, name: str) -> None:
         check_note_name(name)
-
-        def queue(pipe: Any) -> None:
-            pipe.delete(self.layout.note(name))
-            pipe.zrem(self.layout.notes, name)
-
-        self._transaction(f"deleting note {name}", queue)
+        self._typed(f"deleting note {name}", [(b"DEL", self.layout.note(name)),
+                                              (b"ZREM", self.layout.notes, name)],
+                    {self.layout.notes: "zset"})
 
     # ------------------------------------------------------------------ upkeep
 

@@ -1,11 +1,12 @@
-"""The squatting peer: a writer of the shared folder who puts a file, a link or a FIFO where
-one of kvtier's folders belongs (``tmp/``, ``notes/``, ``notes/journal/``, ``chunks/``, a
-namespace folder).
+"""The squatting peer: a writer of the shared tier who puts an entry of another kind where
+one of kvtier's own structures belongs — a file, a link or a FIFO in place of a folder
+(``tmp/``, ``notes/``, ``notes/journal/``, ``chunks/``, a namespace folder), a string in
+place of one of the redis tier's index keys.
 
 Such an entry may cost the tier what it held there, never a server's start, never the tier's
 writes for good and never another tier (docs/security.md). Each story runs two real servers
-(TieredStores) on one folder, with a node-local disk tier beside the shared one, and ends with
-the books passing their integrity check.
+(TieredStores) on one folder or redis-server, with a node-local disk tier beside the shared
+one, and ends with the books passing their integrity check.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from store_helpers import (
@@ -36,8 +38,8 @@ from kvtier.store import TieredStore
 from kvtier.tiers.shared import SharedTier
 
 FAST = {"journal_interval_s": 0.05, "poll_s": 0.1, "sweep_interval_s": 0.3,
-        "journal_keep_s": 5.0, "fsync": False}
-Servers = Callable[[str], TieredStore]
+        "journal_keep_s": 5.0}
+Servers = Callable[..., TieredStore]
 
 
 @pytest.fixture
@@ -45,15 +47,21 @@ def volume(tmp_path: Path) -> Path:
     return tmp_path / "volume"
 
 
+def fs_shared(volume: Path) -> dict[str, Any]:
+    return {"type": "fs", "options": {"path": str(volume), "fsync": False}}
+
+
 @pytest.fixture
-def servers(volume: Path, tmp_path: Path) -> Iterator[Servers]:
-    """``servers(name)``: a store with a disk tier of its own and the shared fs tier."""
+def servers(volume: Path, tmp_path: Path) -> Iterator[Callable[..., TieredStore]]:
+    """``servers(name, shared=fs)``: a store with a disk tier of its own and the shared
+    tier (``{"type": ..., "options": ...}``; the fs folder ``volume`` by default)."""
     made: list[TieredStore] = []
 
-    def make(name: str) -> TieredStore:
-        shared = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
+    def make(name: str, backend: dict[str, Any] | None = None) -> TieredStore:
+        backend = backend or fs_shared(volume)
+        shared = {**backend, "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
                   "io_threads": 2, "io_timeout_s": 30.0,
-                  "options": {"path": str(volume), **FAST}}
+                  "options": {**backend["options"], **FAST}}
         config = ServerConfig.from_dict({
             "socket_path": str(tmp_path / f"{name}.sock"),
             "arena": {"size_bytes": 4 * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
@@ -147,3 +155,38 @@ def test_the_disk_tier_puts_its_folders_back_too(servers: Servers, tmp_path: Pat
     settle(a)
     assert a.tiers_by_name["disk"].available and all(key in a.tiers_by_name["disk"] for key in k)
     a.check_integrity()
+
+
+INDEX_KEYS = ["ns", "nz", f"z:{NS.hex()}", f"s:{NS.hex()}"]
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
+def test_strings_in_place_of_the_redis_index_keys_do_not_bypass_the_tier(
+        servers: Servers, request: pytest.FixtureRequest, restart: bool) -> None:
+    from tiers.redis_helpers import plain
+
+    redis = request.getfixturevalue("redis_server")
+    backend = {"type": "redis", "options": {"url": redis.url, "key_prefix": "sq:"}}
+    a, b = servers("a", backend), servers("b", backend)
+    store_chunks(a, keys(2, "first"))
+    settle(a)
+    if restart:
+        a.close(drain_s=5)
+    peer = plain(redis)
+    for key in INDEX_KEYS:
+        peer.set(f"sq:{key}", b"not an index")
+    if restart:
+        a = servers("a", backend)
+    written = keys(8, f"after squatting, restart={restart}")
+    for at in range(0, len(written), 2):
+        store_chunks(a, written[at:at + 2])
+        settle(a)
+    assert a.tiers_by_name["shared"].available, "the tier is not bypassed"
+    assert set(written) <= on_tier(a)
+    assert wait_until(lambda: b.lookup(written[-2:]) == ["shared"] * 2, 5.0), \
+        "the journal flows"
+    assert load(b, written[-2:]).payloads == expected(written[-2:])
+    assert {peer.type(f"sq:{key}") for key in INDEX_KEYS} <= {b"set", b"zset", b"hash"}
+    a.check_integrity()
+    b.check_integrity()
