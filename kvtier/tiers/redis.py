@@ -122,6 +122,17 @@ class RedisTier(SharedTier):
             log.warning("redis tier %s (%s): %s", self.name, self.endpoint.redacted(), warning)
         return facts
 
+    def backend_scope(self) -> str:
+        """Where this tier keeps its keys, the same on every node: ``redis:<db>/<key_prefix>``
+        on one server, ``redis-cluster:<key_prefix>`` on a Redis Cluster (database 0 only).
+        No host or port: a server reaches Redis by whatever address it has (a service name,
+        an IP, a cluster node of its own choosing), so an address would differ between the
+        servers of one tier; two tiers on different servers or clusters with the same prefix
+        need ``tier_id`` to tell their notes apart."""
+        if self.options.cluster:
+            return f"redis-cluster:{self.options.key_prefix}"
+        return f"redis:{self.endpoint.db}/{self.options.key_prefix}"
+
     # ------------------------------------------------------------------ chunks
 
     def footprint(self, nbytes: int) -> int:
@@ -135,22 +146,23 @@ class RedisTier(SharedTier):
         name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
         expiry = () if self._ttl_ms is None else (b"PX", self._ttl_ms)
         stored = footprint(len(view))
-        self.routes.exec(name, f"writing {hexkey[:16]}", [
+        index, sizes = self.layout.index(ns, bucket), self.layout.sizes(ns, bucket)
+        self.routes.exec_typed(name, f"writing {hexkey[:16]}", [
             (b"SET", name, view, *expiry),
-            (b"ZADD", self.layout.index(ns, bucket), time.time(), hexkey),
-            (b"HSET", self.layout.sizes(ns, bucket), hexkey, stored)])
+            (b"ZADD", index, time.time(), hexkey),
+            (b"HSET", sizes, hexkey, stored)], {index: "zset", sizes: "hash"})
         return stored
 
     def _register(self, ns: str) -> None:
         """Add ``ns`` to the namespace set before a write into it, again once a while. The
         set lives on a slot of its own: while its node is down the write goes on (listings
-        miss the namespace until it is added), and the set is tried again a second later."""
+        miss the namespace until it is added), and the set is tried again a second later. A
+        value of another type under its name is replaced (:mod:`~kvtier.tiers.redis_repair`)."""
         now = time.monotonic()
         if now - self._registered.get(ns, -NAMESPACE_REFRESH_S) < NAMESPACE_REFRESH_S:
             return
-        names = self.layout.namespaces
         try:
-            self.routes.at(names, "adding a namespace", lambda c: c.sadd(names, ns))
+            self._add_namespace(ns, "adding a namespace")
         except TierIOError as exc:
             if ns not in self._unregistered:
                 log.warning("%s (chunks are written; the namespace is listed once it is added)",
@@ -163,6 +175,10 @@ class RedisTier(SharedTier):
             log.info("redis tier %s: namespace %s added to the namespace set", self.name,
                      ns[:16])
         self._registered[ns] = now
+
+    def _add_namespace(self, ns: str, what: str) -> None:
+        names = self.layout.namespaces
+        self.routes.exec_typed(names, what, [(b"SADD", names, ns)], {names: "set"})
 
     def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
         hexkey = key_hex(key)
@@ -181,9 +197,10 @@ class RedisTier(SharedTier):
     def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         ns, hexkey = namespace_hex(namespace), key_hex(key)
         name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
-        self.routes.exec(name, f"deleting {hexkey[:16]}", [
-            (b"DEL", name), (b"ZREM", self.layout.index(ns, bucket), hexkey),
-            (b"HDEL", self.layout.sizes(ns, bucket), hexkey)])
+        index, sizes = self.layout.index(ns, bucket), self.layout.sizes(ns, bucket)
+        self.routes.exec_typed(name, f"deleting {hexkey[:16]}", [
+            (b"DEL", name), (b"ZREM", index, hexkey), (b"HDEL", sizes, hexkey)],
+            {index: "zset", sizes: "hash"})
 
     def quarantine(self, key: ChunkKey, *, namespace: bytes) -> None:
         self.delete(key, namespace=namespace)  # nothing is kept on a store others read
@@ -393,7 +410,7 @@ class RedisTier(SharedTier):
         self.routes.at(names, "forgetting an empty namespace", lambda c: c.srem(names, ns))
         self._registered.pop(ns, None)
         if self._count(ns):
-            self.routes.at(names, "keeping a namespace", lambda c: c.sadd(names, ns))
+            self._add_namespace(ns, "keeping a namespace")
 
     def describe(self) -> dict[str, Any]:
         source = ("password_env" if self.options.password_env else

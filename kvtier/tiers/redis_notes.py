@@ -1,6 +1,8 @@
 """The redis tier's notes (journal records, heartbeats): ``P n:{P n}:<name>`` values and the
 ``P nz:{P n}`` name index, both on one slot (:mod:`~kvtier.tiers.redis_layout`), so a note and
-its name are written and deleted in one MULTI/EXEC and listed in order with ZRANGEBYLEX."""
+its name are written and deleted in one MULTI/EXEC and listed in order with ZRANGEBYLEX. A
+value of another type under the name index's key is replaced when a write or delete meets it
+(:mod:`~kvtier.tiers.redis_repair`)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ class Notes:
 
     def put(self, name: str, data: bytes) -> None:
         key = self.layout.note(check_note_name(name))
-        self.routes.exec(key, f"writing note {name}", [
-            (b"SET", key, data), (b"ZADD", self.layout.notes, 0, name)])
+        notes = self.layout.notes
+        self.routes.exec_typed(key, f"writing note {name}", [
+            (b"SET", key, data), (b"ZADD", notes, 0, name)], {notes: "zset"})
 
     def get(self, name: str, max_bytes: int = MAX_NOTE_BYTES) -> bytes | None:
         key = self.layout.note(check_note_name(name))
@@ -76,8 +79,9 @@ class Notes:
 
     def delete(self, name: str) -> None:
         key = self.layout.note(check_note_name(name))
-        self.routes.exec(key, f"deleting note {name}", [
-            (b"DEL", key), (b"ZREM", self.layout.notes, name)])
+        notes = self.layout.notes
+        self.routes.exec_typed(key, f"deleting note {name}", [
+            (b"DEL", key), (b"ZREM", notes, name)], {notes: "zset"})
 
 
     def reconcile(self) -> int:

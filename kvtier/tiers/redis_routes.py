@@ -18,6 +18,7 @@ from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 from kvtier.tiers.redis_client import Calls
 from kvtier.tiers.redis_index import is_wrongtype
 from kvtier.tiers.redis_nodes import ClusterNodes, SingleNode
+from kvtier.tiers.redis_repair import run_typed
 from kvtier.tiers.redis_upkeep import drop_if_gone
 from kvtier.tiers.redis_wire import Arg, transaction
 from kvtier.tiers.skips import Skips
@@ -73,6 +74,16 @@ class Routes:
         return self.at(key, what, lambda c: transaction(
             c.connection_pool, commands, raise_errors=raise_errors), asking=lambda c: transaction(
             c.connection_pool, commands, raise_errors=raise_errors, asking=True))
+
+    def exec_typed(self, key: str, what: str, commands: list[tuple[Arg, ...]],
+                   typed: dict[str, str]) -> list[Any]:
+        """:meth:`exec`, and where a command meets a value of another type under one of the
+        keys ``typed`` (key -> the type it must have, all on ``key``'s slot), that value is
+        deleted and the commands run once more, all on the node that serves the slot
+        (:func:`~kvtier.tiers.redis_repair.run_typed`)."""
+        return self.at(key, what, lambda c: run_typed(
+            c.connection_pool, commands, typed, self.skips), asking=lambda c: run_typed(
+            c.connection_pool, commands, typed, self.skips, asking=True))
 
     def batch(self, key: str, what: str, queue: Callable[[Any], object], *,
                raise_on_error: bool = True) -> list[Any]:

@@ -76,6 +76,56 @@ def test_keys_and_index_buckets_spread_over_every_primary(cluster: RedisCluster)
     tier.close()
 
 
+def test_values_of_another_type_under_index_keys_are_replaced_on_their_nodes(
+        cluster: RedisCluster) -> None:
+    """A peer's strings where the namespace set, the note names and index and size buckets
+    belong (spread over the primaries) are replaced by the writes, deletes and notes that
+    meet them, each on the node of its slot: nothing lost to the tier but what they held."""
+    tier = cluster_tier(cluster.url, key_prefix="typed:")
+    ns, layout = NAMESPACE.hex(), tier.layout
+    keys = [key_of(f"typed {i}") for i in range(12)]
+    buckets = sorted({k.hex()[:2] for k in keys})
+    squatted = [layout.namespaces, layout.notes, *(layout.index(ns, b) for b in buckets),
+                *(layout.sizes(ns, b) for b in buckets)]
+    owners = {name: cluster.owner_of(name) for name in squatted}
+    assert len({node.port for node in owners.values()}) >= 2, "the keys are on several nodes"
+    for name, node in owners.items():
+        with redis.Redis(host=node.host, port=node.port) as r:
+            r.set(name, b"not an index")
+    for key in keys:
+        tier.write(key, sealed_chunk(key))
+    tier.put_note("journal/a", b"a note")
+    for name, node in owners.items():
+        with redis.Redis(host=node.host, port=node.port) as r:
+            assert r.type(name) in {b"set", b"zset", b"hash"}, name
+    assert tier.skips.counts["index keys of another type, replaced"] == len(squatted)
+    assert {c.key for c in tier.scan()} == set(keys)
+    assert tier.namespaces() == [NAMESPACE]
+    assert tier.list_notes("journal") == ["journal/a"]
+    victim = layout.index(ns, keys[0].hex()[:2])
+    with redis.Redis(host=owners[victim].host, port=owners[victim].port) as r:
+        r.set(victim, b"again")
+        tier.delete(keys[0], namespace=NAMESPACE)  # refused, the string dropped, deleted
+        assert r.type(victim) == b"none"
+    lost = {k for k in keys if k.hex()[:2] == keys[0].hex()[:2]}  # what the bucket held
+    assert {c.key for c in tier.scan()} == set(keys) - lost
+    assert tier.skips.counts["index keys of another type, replaced"] == len(squatted) + 1
+    assert read_back(tier, keys[0], len(sealed_chunk(keys[0]))) is None
+    tier.close()
+
+
+def test_every_node_of_the_cluster_names_the_tier_alike(cluster: RedisCluster) -> None:
+    """The scope in a note's MAC names no address: servers that reach the cluster through
+    different nodes sign and accept each other's notes; a single server is told apart."""
+    tiers = [cluster_tier(node.url, key_prefix="scope:") for node in cluster.nodes[:3]]
+    assert {t.backend_scope() for t in tiers} == {"redis-cluster:scope:"}
+    assert {t.note_scope for t in tiers} == {"redis-cluster:scope:"}
+    single = redis_tier(cluster.nodes[0].url, key_prefix="scope:")
+    assert single.backend_scope() == "redis:0/scope:"
+    for tier in [*tiers, single]:
+        tier.close()
+
+
 def test_the_wrong_mode_is_named(cluster: RedisCluster, redis_server: RedisServer) -> None:
     single = redis_tier(cluster.url, key_prefix="mode:")
     with pytest.raises(TierIOError, match="cluster: true"):
