@@ -81,7 +81,8 @@ class Why(Enum):
     """Signed with an accepted secret for another tier (a copy from another tier of the
     cluster, or a server of this tier whose ``tier_id`` or fs path differs)."""
     OLD_FORMAT = "note_old_format"
-    """Signed by a kvtier from before notes named their tier (a rolling upgrade)."""
+    """Framed as a kvtier from before notes named their tier framed them (its servers during
+    a rolling upgrade, or a copy of one): refused unchecked, as it could be from any tier."""
 
 
 @dataclass(frozen=True)
