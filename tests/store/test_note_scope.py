@@ -34,7 +34,7 @@ from store_helpers import (
 )
 
 from kvtier.admin import _journal as admin_journal
-from kvtier.auth import Keyring, Refused, Why
+from kvtier.auth import Keyring, NoteRefusal, Why
 from kvtier.config import ServerConfig
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore, journal
@@ -234,13 +234,13 @@ def test_the_scope_is_bound_by_the_mac_not_by_what_the_note_says() -> None:
     ring = Keyring.from_secrets([SECRET])
     signed = ring.sign_note("s3:bucket/x/", "journal/1", b"records")
     assert ring.open_note("s3:bucket/x/", "journal/1", signed) == b"records"
-    assert ring.open_note("s3:bucket/y/", "journal/1", signed) == Refused(
+    assert ring.open_note("s3:bucket/y/", "journal/1", signed) == NoteRefusal(
         Why.OTHER_TIER, "s3:bucket/x/")
     relabelled = signed.replace(b"s3:bucket/x/", b"s3:bucket/y/")
-    assert ring.open_note("s3:bucket/y/", "journal/1", relabelled) == Refused(Why.UNSIGNED)
-    assert ring.open_note("s3:bucket/x/", "journal/2", signed) == Refused(Why.UNSIGNED)
+    assert ring.open_note("s3:bucket/y/", "journal/1", relabelled) == NoteRefusal(Why.UNSIGNED)
+    assert ring.open_note("s3:bucket/x/", "journal/2", signed) == NoteRefusal(Why.UNSIGNED)
     other = Keyring.from_secrets([b"another cluster 0123456789"])
-    assert other.open_note("s3:bucket/x/", "journal/1", signed) == Refused(Why.UNSIGNED)
+    assert other.open_note("s3:bucket/x/", "journal/1", signed) == NoteRefusal(Why.UNSIGNED)
 
 
 def test_the_notes_kvtier_rm_writes_are_signed_for_the_tier(servers: Servers) -> None:
