@@ -48,7 +48,7 @@ NOTE_MAC_BYTES = 32
 MAX_SCOPE_BYTES = 1024
 NOTE_MAGIC = b"KVT2"
 OLD_NOTE_MAGIC = b"KVTN"
-"""Notes signed before notes were bound to their tier: refused (:class:`Refused`)."""
+"""Notes signed before notes were bound to their tier: refused (:class:`NoteRefusal`)."""
 NOTE_OVERHEAD = len(NOTE_MAGIC) + KEY_ID_BYTES + 2 + NOTE_MAC_BYTES
 """A signed note's frame, besides its scope and its bytes."""
 _CHUNK_CONTEXT = b"kvtier chunk MAC v1"
@@ -81,11 +81,12 @@ class Why(Enum):
     """Signed with an accepted secret for another tier (a copy from another tier of the
     cluster, or a server of this tier whose ``tier_id`` or fs path differs)."""
     OLD_FORMAT = "note_old_format"
-    """Signed by a kvtier from before notes named their tier (a rolling upgrade)."""
+    """Framed as a kvtier from before notes named their tier framed them (its servers during
+    a rolling upgrade, or a copy of one): refused unchecked, as it could be from any tier."""
 
 
 @dataclass(frozen=True)
-class Refused:
+class NoteRefusal:
     """A note not opened, and why; ``scope`` is the tier an ``OTHER_TIER`` note names."""
 
     why: Why
@@ -156,30 +157,30 @@ class Keyring:
         return (NOTE_MAGIC + key.key_id + len(where).to_bytes(2, "big") + where
                 + key.note_mac(scope, name, data) + data)
 
-    def open_note(self, scope: str, name: str, blob: bytes) -> bytes | Refused:
+    def open_note(self, scope: str, name: str, blob: bytes) -> bytes | NoteRefusal:
         """The bytes of a note signed by an accepted secret for the tier ``scope`` under
         ``name``; otherwise why not."""
         if blob.startswith(OLD_NOTE_MAGIC):
-            return Refused(Why.OLD_FORMAT)
+            return NoteRefusal(Why.OLD_FORMAT)
         if len(blob) < NOTE_OVERHEAD or not blob.startswith(NOTE_MAGIC):
-            return Refused(Why.UNSIGNED)
+            return NoteRefusal(Why.UNSIGNED)
         at = len(NOTE_MAGIC)
         key = self._by_id.get(blob[at:at + KEY_ID_BYTES])
         at += KEY_ID_BYTES
         size = int.from_bytes(blob[at:at + 2], "big")
         at += 2
         if key is None or len(blob) < NOTE_OVERHEAD + size:
-            return Refused(Why.UNSIGNED)
+            return NoteRefusal(Why.UNSIGNED)
         try:
             signed_for = blob[at:at + size].decode()
         except UnicodeDecodeError:
-            return Refused(Why.UNSIGNED)
+            return NoteRefusal(Why.UNSIGNED)
         at += size
         mac, data = blob[at:at + NOTE_MAC_BYTES], blob[at + NOTE_MAC_BYTES:]
         if not hmac.compare_digest(mac, key.note_mac(signed_for, name, data)):
-            return Refused(Why.UNSIGNED)
+            return NoteRefusal(Why.UNSIGNED)
         if signed_for != scope:
-            return Refused(Why.OTHER_TIER, signed_for)
+            return NoteRefusal(Why.OTHER_TIER, signed_for)
         return data
 
 

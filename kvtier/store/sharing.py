@@ -46,7 +46,7 @@ from collections.abc import Callable, Hashable
 
 import msgspec
 
-from kvtier.auth import Keyring, Refused, Why
+from kvtier.auth import Keyring, NoteRefusal, Why
 from kvtier.errors import NoteTooLarge, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
@@ -347,7 +347,7 @@ class Sharing:
             return []
         if self.keyring is not None:
             opened = self.keyring.open_note(self.tier.note_scope, name, data)
-            if isinstance(opened, Refused):
+            if isinstance(opened, NoteRefusal):
                 self._reject(opened.why.value, 1, _refusal(name, opened, self.tier.note_scope))
                 return []
             data = opened
@@ -435,7 +435,7 @@ class Sharing:
             self.state.swept(chunk.key, chunk.namespace)
 
 
-def _refusal(name: str, refused: Refused, scope: str) -> str:
+def _refusal(name: str, refused: NoteRefusal, scope: str) -> str:
     """Why a peer's note was refused, as the log says it once per kind."""
     if refused.why is Why.OTHER_TIER:
         return (f"journal note {name} was signed for the tier {refused.scope!r}, not this "

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvtier.auth import Keyring, Refused
+from kvtier.auth import Keyring, NoteRefusal
 from kvtier.errors import NoteTooLarge
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
@@ -155,7 +155,7 @@ def read_heartbeats(tier: SharedTier, keyring: Keyring | None = None
             continue
         if keyring is not None:
             opened = keyring.open_note(tier.note_scope, name, data)
-            data = b"" if isinstance(opened, Refused) else opened
+            data = b"" if isinstance(opened, NoteRefusal) else opened
         try:
             beat = msgspec.msgpack.decode(data)
         except msgspec.DecodeError:

@@ -33,7 +33,8 @@ from store_helpers import (
     wait_until,
 )
 
-from kvtier.auth import Keyring, Refused, Why
+from kvtier.admin import _journal as admin_journal
+from kvtier.auth import Keyring, NoteRefusal, Why
 from kvtier.config import ServerConfig
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore, journal
@@ -233,10 +234,27 @@ def test_the_scope_is_bound_by_the_mac_not_by_what_the_note_says() -> None:
     ring = Keyring.from_secrets([SECRET])
     signed = ring.sign_note("s3:bucket/x/", "journal/1", b"records")
     assert ring.open_note("s3:bucket/x/", "journal/1", signed) == b"records"
-    assert ring.open_note("s3:bucket/y/", "journal/1", signed) == Refused(
+    assert ring.open_note("s3:bucket/y/", "journal/1", signed) == NoteRefusal(
         Why.OTHER_TIER, "s3:bucket/x/")
     relabelled = signed.replace(b"s3:bucket/x/", b"s3:bucket/y/")
-    assert ring.open_note("s3:bucket/y/", "journal/1", relabelled) == Refused(Why.UNSIGNED)
-    assert ring.open_note("s3:bucket/x/", "journal/2", signed) == Refused(Why.UNSIGNED)
+    assert ring.open_note("s3:bucket/y/", "journal/1", relabelled) == NoteRefusal(Why.UNSIGNED)
+    assert ring.open_note("s3:bucket/x/", "journal/2", signed) == NoteRefusal(Why.UNSIGNED)
     other = Keyring.from_secrets([b"another cluster 0123456789"])
-    assert other.open_note("s3:bucket/x/", "journal/1", signed) == Refused(Why.UNSIGNED)
+    assert other.open_note("s3:bucket/x/", "journal/1", signed) == NoteRefusal(Why.UNSIGNED)
+
+
+def test_the_notes_kvtier_rm_writes_are_signed_for_the_tier(servers: Servers) -> None:
+    """``kvtier rm`` and ``kvtier gc`` journal their deletes as a server would: signed for
+    the tier, so running servers forget what went within a poll."""
+    a, b = servers("a", "y"), servers("b", "y")
+    k = keys(2, "removed by rm")
+    store_chunks(a, k)
+    settle(a)
+    assert wait_until(lambda: b.lookup(k) == ["shared"] * 2, 5.0)
+    gone = [c for c in tier_of(a).scan() if c.key in k]
+    for chunk in gone:
+        tier_of(a).delete(chunk.key, namespace=chunk.namespace)
+    admin_journal(tier_of(a), gone, keyring=a.keyring)
+    assert wait_until(lambda: not any(key in b.tiers[0] for key in k), 5.0)
+    assert rejected(b, "note_unsigned") == rejected(b, "note_other_tier") == 0
+    b.check_integrity()

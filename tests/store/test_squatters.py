@@ -11,6 +11,7 @@ one, and ends with the books passing their integrity check.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from store_helpers import (
     keys,
     load,
     settle,
+    small_filesystem,
     store_chunks,
     tier_config,
     wait_until,
@@ -143,6 +145,24 @@ def test_a_running_server_keeps_its_shared_tier_when_a_folder_is_replaced(
     assert (volume / place).is_dir() and not (volume / place).is_symlink()
     a.check_integrity()
     b.check_integrity()
+
+
+def test_a_volume_a_peer_filled_does_not_stop_a_start(servers: Servers, volume: Path) -> None:
+    """The shared volume full (another writer's file): a miss for every write, no refused
+    start; the disk tier beside it serves."""
+    with small_filesystem(volume, 1 << 20):
+        fd = os.open(volume / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"x" * 4096):
+                pass
+        os.close(fd)
+        a = servers("a")
+        k = keys(2, "full volume")
+        store_chunks(a, k)
+        settle(a)
+        assert all(key in a.tiers_by_name["disk"] for key in k)
+        a.check_integrity()
+        a.close(drain_s=5)
 
 
 def test_the_disk_tier_puts_its_folders_back_too(servers: Servers, tmp_path: Path) -> None:
