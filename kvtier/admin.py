@@ -174,7 +174,8 @@ def _journal(tier: SharedTier, chunks: list[StoredChunk], *,
         name = journal.note_name(int(time.time() * 1000), server, seq)
         try:
             data = journal.encode(records)
-            tier.put_note(name, data if keyring is None else keyring.sign_note(name, data))
+            tier.put_note(name, data if keyring is None
+                          else keyring.sign_note(tier.note_scope, name, data))
         except TierError as exc:
             print(f"kvtier: could not journal {len(chunks) - start} deletes on {tier.name} "
                   f"({exc}); servers find them missing on their next read", file=sys.stderr)

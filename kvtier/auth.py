@@ -3,18 +3,22 @@
 Every server of a shared tier reads what the others wrote. Checksums (xxh3, :mod:`kvtier.codec`)
 catch accidents, not a writer who picks the bytes. With a cluster secret every chunk and note a
 server writes to a shared tier carries a MAC over everything that decides what it means — for
-a chunk the header (namespace, key, token count, payload length) and the payload, for a note its
-name and bytes — and what fails it is never served or applied::
+a chunk the header (namespace, key, token count, payload length) and the payload, for a note the
+tier it was written for, its name and its bytes — and what fails it is never served or
+applied::
 
     secrets (env or an owner-only file, one per line)  ──derive──►  per secret:
         chunk key  = HMAC-SHA256(secret, "kvtier chunk MAC v1")     AES-256 key
-        note key   = HMAC-SHA256(secret, "kvtier note MAC v1")
+        note key   = HMAC-SHA256(secret, "kvtier note MAC v2")
         key id     = HMAC-SHA256(secret, "kvtier key id v1")[:8]    names the secret, not it
 
     chunk MAC: GMAC (AES-256-GCM, a fresh random 96-bit nonce per seal) over the header and
                the payload; 13-16 GB/s on one core with AES-NI, against 4 GB/s for keyed
                BLAKE3 and 20 GB/s for the xxh3 checksum it replaces on authenticated reads
-    note MAC:  HMAC-SHA256 over the note's name and bytes (notes are small)
+    note MAC:  HMAC-SHA256 over the tier's scope, the note's name and its bytes (notes are
+               small); the scope (``SharedTier.note_scope``: S3 bucket and prefix, Redis
+               database and key prefix, the fs path or ``tier_id``) is configuration, the same
+               on every server of a tier, so a note copied from another tier fails it
 
 The first secret signs; every listed secret is accepted (rotation: add the new one second on
 every server, then move it first, then drop the old one). The secrets never enter the config,
@@ -30,6 +34,7 @@ import os
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -40,10 +45,14 @@ KEY_ID_BYTES = 8
 NONCE_BYTES = 12
 TAG_BYTES = 16
 NOTE_MAC_BYTES = 32
-NOTE_MAGIC = b"KVTN"
-NOTE_OVERHEAD = len(NOTE_MAGIC) + KEY_ID_BYTES + NOTE_MAC_BYTES
+MAX_SCOPE_BYTES = 1024
+NOTE_MAGIC = b"KVT2"
+OLD_NOTE_MAGIC = b"KVTN"
+"""Notes signed before notes were bound to their tier: refused (:class:`NoteRefusal`)."""
+NOTE_OVERHEAD = len(NOTE_MAGIC) + KEY_ID_BYTES + 2 + NOTE_MAC_BYTES
+"""A signed note's frame, besides its scope and its bytes."""
 _CHUNK_CONTEXT = b"kvtier chunk MAC v1"
-_NOTE_CONTEXT = b"kvtier note MAC v1"
+_NOTE_CONTEXT = b"kvtier note MAC v2"
 _ID_CONTEXT = b"kvtier key id v1"
 
 
@@ -57,8 +66,31 @@ class _Key:
     chunk: AESGCM
     note: bytes
 
-    def note_mac(self, name: str, data: bytes) -> bytes:
-        return hmac.new(self.note, name.encode() + b"\0" + data, hashlib.sha256).digest()
+    def note_mac(self, scope: str, name: str, data: bytes) -> bytes:
+        where = scope.encode()
+        message = len(where).to_bytes(4, "big") + where + name.encode() + b"\0" + data
+        return hmac.new(self.note, message, hashlib.sha256).digest()
+
+
+class Why(Enum):
+    """Why a note was not opened; the value is its ``kvtier_untrusted_total`` ``what``."""
+
+    UNSIGNED = "note_unsigned"
+    """No signature, a secret not accepted here, or a MAC that fails: a forgery or damage."""
+    OTHER_TIER = "note_other_tier"
+    """Signed with an accepted secret for another tier (a copy from another tier of the
+    cluster, or a server of this tier whose ``tier_id`` or fs path differs)."""
+    OLD_FORMAT = "note_old_format"
+    """Framed as a kvtier from before notes named their tier framed them (its servers during
+    a rolling upgrade, or a copy of one): refused unchecked, as it could be from any tier."""
+
+
+@dataclass(frozen=True)
+class NoteRefusal:
+    """A note not opened, and why; ``scope`` is the tier an ``OTHER_TIER`` note names."""
+
+    why: Why
+    scope: str = ""
 
 
 @dataclass(frozen=True, repr=False)
@@ -114,23 +146,42 @@ class Keyring:
 
     # ------------------------------------------------------------------ notes
 
-    def sign_note(self, name: str, data: bytes) -> bytes:
-        """``data`` framed with the signing key's id and a MAC over the note's name and
-        bytes (so a signed note cannot be replayed under another name or date)."""
+    def sign_note(self, scope: str, name: str, data: bytes) -> bytes:
+        """``data`` framed with the signing key's id, the tier's ``scope`` and a MAC over
+        the scope, the note's name and its bytes: a signed note cannot be replayed under
+        another name or date, nor in another tier."""
         key = self._keys[0]
-        return NOTE_MAGIC + key.key_id + key.note_mac(name, data) + data
+        where = scope.encode()
+        if len(where) > MAX_SCOPE_BYTES:
+            raise ValueError(f"a tier's scope is at most {MAX_SCOPE_BYTES} bytes")
+        return (NOTE_MAGIC + key.key_id + len(where).to_bytes(2, "big") + where
+                + key.note_mac(scope, name, data) + data)
 
-    def open_note(self, name: str, blob: bytes) -> bytes | None:
-        """The bytes of a note signed by an accepted secret, ``None`` otherwise."""
+    def open_note(self, scope: str, name: str, blob: bytes) -> bytes | NoteRefusal:
+        """The bytes of a note signed by an accepted secret for the tier ``scope`` under
+        ``name``; otherwise why not."""
+        if blob.startswith(OLD_NOTE_MAGIC):
+            return NoteRefusal(Why.OLD_FORMAT)
         if len(blob) < NOTE_OVERHEAD or not blob.startswith(NOTE_MAGIC):
-            return None
+            return NoteRefusal(Why.UNSIGNED)
         at = len(NOTE_MAGIC)
         key = self._by_id.get(blob[at:at + KEY_ID_BYTES])
-        if key is None:
-            return None
-        mac = blob[at + KEY_ID_BYTES:NOTE_OVERHEAD]
-        data = blob[NOTE_OVERHEAD:]
-        return data if hmac.compare_digest(mac, key.note_mac(name, data)) else None
+        at += KEY_ID_BYTES
+        size = int.from_bytes(blob[at:at + 2], "big")
+        at += 2
+        if key is None or len(blob) < NOTE_OVERHEAD + size:
+            return NoteRefusal(Why.UNSIGNED)
+        try:
+            signed_for = blob[at:at + size].decode()
+        except UnicodeDecodeError:
+            return NoteRefusal(Why.UNSIGNED)
+        at += size
+        mac, data = blob[at:at + NOTE_MAC_BYTES], blob[at + NOTE_MAC_BYTES:]
+        if not hmac.compare_digest(mac, key.note_mac(signed_for, name, data)):
+            return NoteRefusal(Why.UNSIGNED)
+        if signed_for != scope:
+            return NoteRefusal(Why.OTHER_TIER, signed_for)
+        return data
 
 
 def read_secrets(env_name: str | None, file: str | None, what: str = "cluster secret",

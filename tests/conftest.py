@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from service_fixtures import (  # noqa: F401  (fixtures: real services on loopback)
     make_redis,
+    make_redis_cluster,
     make_seaweed_mount,
     make_seaweedfs,
     redis_server,

@@ -14,6 +14,8 @@ Function-scoped, for isolation and outage tests (stop/start/pause/kill them at w
     ``make_seaweed_mount`` ``make_seaweed_mount(weed=None, folder=None, **kwargs)``
     ``redis_server``      a redis-server of the test's own (it starts in ~0.05 s)
     ``make_redis``        ``make_redis(password=..., maxmemory=..., maxmemory_policy=...)``
+    ``make_redis_cluster`` ``make_redis_cluster(**RedisCluster kwargs)``: 3 primaries + 3
+                          replicas by default (starts in ~3 s)
 """
 
 from __future__ import annotations
@@ -24,16 +26,22 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, Self, TypeVar
 
 import pytest
 
 from kvtier.errors import ServiceMissing
-from kvtier.services import RedisServer, S3Credentials, SeaweedFS, SeaweedMount
-from kvtier.services.base import Service
+from kvtier.services import RedisCluster, RedisServer, S3Credentials, SeaweedFS, SeaweedMount
 
 ALLOW_MISSING = "KVTIER_ALLOW_MISSING_SERVICES"
-S = TypeVar("S", bound=Service)
+
+
+class Startable(Protocol):
+    def start(self) -> Self: ...
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=Startable)
 
 
 def left_out(needs: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -176,3 +184,17 @@ def make_redis() -> Iterator[Callable[..., RedisServer]]:
 @pytest.fixture
 def redis_server(make_redis: Callable[..., RedisServer]) -> RedisServer:
     return make_redis()
+
+
+@pytest.fixture
+def make_redis_cluster() -> Iterator[Callable[..., RedisCluster]]:
+    made: list[RedisCluster] = []
+
+    def make(**kwargs: Any) -> RedisCluster:
+        cluster = start_or_fail(lambda: RedisCluster(**kwargs))
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in reversed(made):
+        cluster.close()

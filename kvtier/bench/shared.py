@@ -7,7 +7,8 @@ loopback by the bench unless endpoints are given):
   with the same sizes on the same server (``*_write_ratio``, ``*_read_ratio``; target >= 0.8):
   file ``write`` + ``fsync`` and ``readinto`` (both from a cold page cache: the tier reads with
   O_DIRECT) for fs, boto3 ``put_object``/``get_object`` for s3, redis-py ``SET``/``GET`` for
-  redis;
+  redis, redis-py ``RedisCluster`` ``SET``/``GET`` for ``redis_cluster`` (a 3-primary Redis
+  Cluster with a replica each; not in the default list; target >= 0.9);
 - lookup: a 128K-token prompt (512 chunks) fully present on the shared tier, written by one
   kvtier server and looked up through another server's socket, p50 (``*_lookup_128k_ms``;
   targets: s3 <= 20, fs and redis <= 5), next to what asking the backend per chunk would cost
@@ -51,13 +52,16 @@ SHARING = {"journal_interval_s": 0.1, "poll_s": 0.2, "sweep_interval_s": 3600}
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("shared", help="fs, s3 and redis tiers against their plain clients")
-    p.add_argument("--backends", default="fs,s3,redis", help="comma-separated (default: all)")
+    p.add_argument("--backends", default="fs,s3,redis",
+                   help="comma-separated of fs, s3, redis, redis_cluster (default: fs,s3,redis)")
     p.add_argument("--fs-path", help="folder for the fs tier (default: a temp dir; give a "
                    "shared mount to measure it)")
     p.add_argument("--s3-endpoint", help="an S3 endpoint to use (default: start SeaweedFS); "
                    "credentials from AWS_* in the environment")
     p.add_argument("--s3-bucket", help="bucket to use with --s3-endpoint")
     p.add_argument("--redis-url", help="a Redis to use (default: start redis-server)")
+    p.add_argument("--redis-cluster-url", help="a node of a Redis Cluster to use with the "
+                   "redis_cluster backend (default: start 3 primaries + 3 replicas)")
     p.add_argument("--sizes", default="1MiB,4MiB", help="chunk sizes")
     p.add_argument("--json", dest="json_path", help="write the figures to this file")
     p.set_defaults(func=run)
@@ -88,11 +92,12 @@ def _backend(backend: str, args: argparse.Namespace, tmp: Path,
     if backend == "fs":
         path = Path(args.fs_path) if args.fs_path else tmp / "fs"
         return {"type": "fs", "options": {"path": str(path / "kvtier-bench")}}
-    if backend in ("s3", "redis"):
+    if backend in ("s3", "redis", "redis_cluster"):
         from kvtier.bench import shared_services
 
         return shared_services.tier_config(backend, args, tmp, stack)
-    raise SystemExit(f"kvtier bench shared: unknown backend {backend!r}; use fs, s3, redis")
+    raise SystemExit(f"kvtier bench shared: unknown backend {backend!r}; use fs, s3, redis, "
+                     "redis_cluster")
 
 
 # ---------------------------------------------------------------------- throughput

@@ -18,6 +18,8 @@ def tier_config(backend: str, args: argparse.Namespace, tmp: Path,
                 stack: contextlib.ExitStack) -> dict[str, Any]:
     if backend == "s3":
         return _s3(args, tmp, stack)
+    if backend == "redis_cluster":
+        return _redis_cluster(args, stack)
     return _redis(args, stack)
 
 
@@ -49,13 +51,23 @@ def _redis(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, A
     return {"type": "redis", "options": {"url": url}}
 
 
+def _redis_cluster(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
+    url = args.redis_cluster_url
+    if url is None:
+        from kvtier.services import RedisCluster
+
+        url = stack.enter_context(RedisCluster()).url
+    return {"type": "redis", "options": {"url": url, "cluster": True}}
+
+
 def throughput(backend: str, tier: dict[str, Any], sizes: list[int]
                ) -> tuple[list[Row], dict[str, float]]:
-    if backend == "redis":
+    if backend in ("redis", "redis_cluster"):
         from kvtier.bench.shared_redis import bench_redis, rows
 
-        figures = bench_redis(tier["options"]["url"], sizes=sizes)
-        return rows(figures, sizes), figures
+        cluster = backend == "redis_cluster"
+        figures = bench_redis(tier["options"]["url"], sizes=sizes, cluster=cluster)
+        return rows(figures, sizes, cluster=cluster), figures
     from kvtier.bench.shared_s3 import s3_throughput
 
     opts = tier["options"]

@@ -1,11 +1,14 @@
-"""Taking ``kv_transfer_params.kvtier`` (per-tier details: where each prompt token came from)
-out of answers for tenants not allowed to see them.
+"""Taking what says which prompt tokens were cached out of answers for tenants not allowed to
+see it: ``kv_transfer_params.kvtier`` (per-tier details: where each prompt token came from)
+and ``usage.prompt_tokens_details.cached_tokens`` (how many came from a cache: ``kvtier
+serve`` starts vLLM with ``--enable-prompt-tokens-details``, and vLLM counts kvtier's hits).
 
-Those details tell a client which of its tokens were already cached, and where: a side
-channel on what else was asked (the prefix-cache inference attack). Whole JSON answers are
-decoded, stripped and re-encoded; streamed answers (vLLM 0.32 puts no ``kv_transfer_params``
-on chunks, but a later version or another engine may) are filtered line by line: a partial
-line is held back until its end arrives, so an event split across reads cannot slip through.
+Both tell a client which of its tokens were already cached: a side channel on what else was
+asked (the prefix-cache inference attack). Whole JSON answers are decoded, stripped and
+re-encoded; streamed answers — the last event of a stream with ``stream_options.include_usage``
+and every event with ``continuous_usage_stats`` carry ``usage``; a later vLLM or another engine
+may put ``kv_transfer_params`` on an event — are filtered line by line: a partial line is held
+back until its end arrives, so an event split across reads cannot slip through.
 """
 
 from __future__ import annotations
@@ -13,14 +16,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
-MARK = b'"kv_transfer_params"'
+MARKS = (b'"kv_transfer_params"', b'"prompt_tokens_details"')
+"""An answer without either key has nothing to strip (and is passed on unparsed)."""
+
+
+def _marked(data: bytes) -> bool:
+    return any(mark in data for mark in MARKS)
 
 
 def strip_details(doc: Any) -> bool:
-    """Removes ``kv_transfer_params.kvtier`` from a decoded answer in place; True if it had
-    one. ``kv_transfer_params`` left empty becomes null, as vLLM sends it without params."""
+    """Removes ``kv_transfer_params.kvtier`` and ``usage.prompt_tokens_details.
+    cached_tokens`` from a decoded answer in place; True if it had either. What is left
+    empty becomes null, as vLLM sends it without them."""
     if not isinstance(doc, dict):
         return False
+    return _strip_params(doc) | _strip_cached(doc)
+
+
+def _strip_params(doc: dict[str, Any]) -> bool:
     params = doc.get("kv_transfer_params")
     if not isinstance(params, dict) or "kvtier" not in params:
         return False
@@ -30,9 +43,22 @@ def strip_details(doc: Any) -> bool:
     return True
 
 
+def _strip_cached(doc: dict[str, Any]) -> bool:
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or "cached_tokens" not in details:
+        return False
+    del details["cached_tokens"]
+    if not details:
+        usage["prompt_tokens_details"] = None
+    return True
+
+
 def strip_body(body: bytes) -> bytes:
     """A whole answer without the details (unchanged if it has none or is not JSON)."""
-    if MARK not in body:
+    if not _marked(body):
         return body
     try:
         doc = json.loads(body)
@@ -42,7 +68,7 @@ def strip_body(body: bytes) -> bytes:
 
 
 def _strip_line(line: bytes) -> bytes:
-    if MARK not in line or not line.startswith(b"data:"):
+    if not _marked(line) or not line.startswith(b"data:"):
         return line
     try:
         doc = json.loads(line[5:])
@@ -61,7 +87,7 @@ class StreamStripper:
         data = self._pending + chunk
         end = data.rfind(b"\n") + 1
         self._pending = data[end:]
-        if MARK not in data[:end]:
+        if not _marked(data[:end]):
             return data[:end]
         return b"\n".join(_strip_line(line) for line in data[:end].split(b"\n"))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -22,9 +23,16 @@ import aiohttp
 from kvtier.prom import MAX_CHARS
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.keys import NamespaceInfo, Renderers
+from kvtier.router.redact import redact_url
 from kvtier.router.scrape import engine_gauges
 
 log = logging.getLogger("kvtier.router")
+MAX_JSON_BYTES = 4 << 20
+"""The most of a backend's ``/v1/models`` or a node server's ``/v1/namespaces`` answer that
+is read; a larger one counts as no answer (a page may be huge or endless)."""
+MAX_MODELS = 256
+"""Models one backend may list (the rest are left out of the router's /v1/models)."""
+MAX_HEALTH_BYTES = 64 << 10
 
 
 class HealthMonitor:
@@ -37,6 +45,7 @@ class HealthMonitor:
         self.headers = backend_headers
         self.node_headers = node_headers or {}
         self.renderers = renderers
+        self._said_too_large: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._recheck: asyncio.Task[None] | None = None
 
@@ -85,7 +94,7 @@ class HealthMonitor:
         try:
             async with self.session.get(f"{backend.url}/health", headers=self.headers,
                                         timeout=timeout) as resp:
-                await resp.read()
+                await _capped_text(resp, MAX_HEALTH_BYTES)
                 ok, why = resp.status == 200, f"/health answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok, why = False, f"/health: {type(exc).__name__}: {exc}"
@@ -98,7 +107,7 @@ class HealthMonitor:
     async def _models(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
         doc = await self._get_json(f"{backend.url}/v1/models", timeout, self.headers)
         if isinstance(doc, dict) and isinstance(doc.get("data"), list):
-            backend.models = [m for m in doc["data"] if isinstance(m, dict)]
+            backend.models = [m for m in doc["data"] if isinstance(m, dict)][:MAX_MODELS]
 
     async def _gauges(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
         try:
@@ -128,13 +137,25 @@ class HealthMonitor:
             for ns in spaces:
                 self.renderers.prefetch(ns.tokenizer)
 
+    def _too_large(self, url: str) -> None:
+        if url not in self._said_too_large and len(self._said_too_large) < 1024:
+            self._said_too_large.add(url)
+            log.warning("%s answered more than %d bytes; ignored (said once)",
+                        redact_url(url), MAX_JSON_BYTES)
+
     async def _get_json(self, url: str, timeout: aiohttp.ClientTimeout,
                         headers: dict[str, str]) -> Any:
         try:
             async with self.session.get(url, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
                     return None
-                return await resp.json(content_type=None)
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > MAX_JSON_BYTES:
+                        self._too_large(url)
+                        return None
+            return json.loads(raw)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return None
 

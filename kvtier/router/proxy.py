@@ -10,9 +10,9 @@
   that attempt raises :class:`BackendFailed` too, so another backend serves the request.
 - A backend failing mid-stream cannot be hidden: the client gets an SSE error event and the
   connection is closed without the stream's end, so it knows the answer is cut.
-- For a tenant not allowed to see them, ``kv_transfer_params.kvtier`` is taken out of the
-  answer, whole or streamed (:mod:`kvtier.router.details`); the router's own accounting reads
-  the answer before that.
+- For a tenant not allowed to see them, ``kv_transfer_params.kvtier`` and ``usage.
+  prompt_tokens_details.cached_tokens`` are taken out of the answer, whole or streamed
+  (:mod:`kvtier.router.details`); the router's own accounting reads the answer before that.
 - Timeouts are not failures of the backend: aiohttp's ``ServerTimeoutError`` (a
   ``ClientConnectionError`` too) is caught before the connection errors. A timeout while
   connecting may be retried elsewhere; a timeout after the request was sent (no answer, or

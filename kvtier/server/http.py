@@ -56,7 +56,8 @@ if TYPE_CHECKING:
     from kvtier.server.service import Service
 
 log = logging.getLogger("kvtier.server")
-MAX_BODY = 64 * MAX_KEYS + 4096
+MAX_BODY = 70 * MAX_KEYS + 4096
+"""A lookup of MAX_KEYS keys fits: each is 64 hex digits, quotes, a comma and a space."""
 MAX_CONNECTIONS = 32
 """Connections served at once (see the module docstring for who gives way to a new one)."""
 PROTECTED = frozenset({"/v1/lookup", "/v1/namespaces", "/v1/stats"})

@@ -8,7 +8,9 @@ docs/services.md.
 from __future__ import annotations
 
 from kvtier.services.mount import SeaweedMount
+from kvtier.services.redis_cluster import RedisCluster
 from kvtier.services.redis_server import RedisServer
 from kvtier.services.seaweedfs import S3Credentials, SeaweedFS, SeaweedPorts
 
-__all__ = ["RedisServer", "S3Credentials", "SeaweedFS", "SeaweedMount", "SeaweedPorts"]
+__all__ = ["RedisCluster", "RedisServer", "S3Credentials", "SeaweedFS", "SeaweedMount",
+           "SeaweedPorts"]

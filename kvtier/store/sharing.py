@@ -47,7 +47,7 @@ from typing import TypeVar
 
 import msgspec
 
-from kvtier.auth import Keyring
+from kvtier.auth import Keyring, NoteRefusal, Why
 from kvtier.errors import NoteTooLarge, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
@@ -318,7 +318,9 @@ class Sharing:
                         self.state.name, len(self.outbox), exc)
 
     def _sign(self, name: str, data: bytes) -> bytes:
-        return data if self.keyring is None else self.keyring.sign_note(name, data)
+        if self.keyring is None:
+            return data
+        return self.keyring.sign_note(self.tier.note_scope, name, data)
 
     def _poll(self) -> None:
         now_ms = int(time.time() * 1000)
@@ -359,10 +361,9 @@ class Sharing:
         if data is None:
             return []
         if self.keyring is not None:
-            opened = self.keyring.open_note(name, data)
-            if opened is None:
-                self._reject("note_unsigned", 1, f"journal note {name} is not signed with "
-                             f"an accepted cluster secret")
+            opened = self.keyring.open_note(self.tier.note_scope, name, data)
+            if isinstance(opened, NoteRefusal):
+                self._reject(opened.why.value, 1, _refusal(name, opened, self.tier.note_scope))
                 return []
             data = opened
         decoded = journal.decode(data, self.state.plausible)
@@ -454,6 +455,20 @@ class Sharing:
     def _forget_swept(self, chunks: list[StoredChunk]) -> None:
         for chunk in chunks:
             self.state.swept(chunk.key, chunk.namespace)
+
+
+def _refusal(name: str, refused: NoteRefusal, scope: str) -> str:
+    """Why a peer's note was refused, as the log says it once per kind."""
+    if refused.why is Why.OTHER_TIER:
+        return (f"journal note {name} was signed for the tier {refused.scope!r}, not this "
+                f"one ({scope!r}): a note copied from another tier, or a server of this tier "
+                f"configured with another tier_id or fs path (set options.tier_id alike on "
+                f"every server of the tier)")
+    if refused.why is Why.OLD_FORMAT:
+        return (f"journal note {name} was signed by a kvtier older than tier-bound notes "
+                f"(upgrade every server of the tier; until then they do not see each "
+                f"other's journal)")
+    return f"journal note {name} is not signed with an accepted cluster secret"
 
 
 def _forget(state: LowerTierState, keys: list[ChunkKey]) -> None:

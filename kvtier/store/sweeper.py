@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvtier.auth import Keyring
+from kvtier.auth import Keyring, NoteRefusal
 from kvtier.errors import NoteTooLarge
 from kvtier.keys import ChunkKey
 from kvtier.store import journal
@@ -154,7 +154,8 @@ def read_heartbeats(tier: SharedTier, keyring: Keyring | None = None
         if data is None:  # deleted meanwhile
             continue
         if keyring is not None:
-            data = keyring.open_note(name, data) or b""
+            opened = keyring.open_note(tier.note_scope, name, data)
+            data = b"" if isinstance(opened, NoteRefusal) else opened
         try:
             beat = msgspec.msgpack.decode(data)
         except msgspec.DecodeError:

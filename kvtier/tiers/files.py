@@ -61,16 +61,24 @@ class FileOptions(ConfigStruct, frozen=True):
             raise ConfigError("path: expected a directory path, got an empty string")
 
 
-def choose_o_direct(options: FileOptions, tmp: str, where: str) -> bool:
-    """Whether to use O_DIRECT under ``tmp``: ``auto`` probes, ``on`` insists."""
+def choose_o_direct(options: FileOptions, folder: str, where: str, *,
+                    shared: bool = False) -> bool:
+    """Whether to use O_DIRECT in ``folder``: ``auto`` probes, ``on`` insists. A probe that
+    fails for another reason than O_DIRECT (a full volume, a folder others made unwritable)
+    is a ConfigError for a node's own tier; for a ``shared`` one, whose writers may cause
+    it, a warning (``auto``: off; ``on``: on, as asked) and the start goes on."""
     if options.o_direct == "off":
         return False
     try:
-        supported = probe_o_direct(tmp)
+        supported = probe_o_direct(folder)
     except OSError as exc:
-        raise ConfigError(f"{where}.path: cannot use {tmp!r}: {exc}") from exc
+        if not shared:
+            raise ConfigError(f"{where}.path: cannot use {folder!r}: {exc}") from exc
+        log.warning("%s.o_direct: cannot probe O_DIRECT in %r (%s); using %s", where,
+                    folder, exc, options.o_direct)
+        return options.o_direct == "on"
     if options.o_direct == "on" and not supported:
-        raise ConfigError(f"{where}.o_direct: the filesystem of {tmp!r} refuses O_DIRECT; "
+        raise ConfigError(f"{where}.o_direct: the filesystem of {folder!r} refuses O_DIRECT; "
                           "use auto or off")
     return supported
 
@@ -107,23 +115,57 @@ def temp_name(stem: str, token: str) -> str:
 
 def open_folder_at(dir_fd: int, name: str, *, create: bool = False) -> int | None:
     """The folder ``name`` in ``dir_fd``, opened without following a link; ``None`` where
-    it is missing, a link or no folder. ``create`` makes a missing one, and raises ENOTDIR
-    where something else holds its name (writes fail rather than go through it)."""
+    it is missing, a link or no folder. ``create`` makes a missing one, and replaces what
+    holds its name that is no folder (a file, a link — the link itself, never its target —,
+    a FIFO: :func:`_replace_with_folder`), so nothing a writer of the tier leaves there
+    stops the tier's writes for good."""
     try:
         return os.open(name, FOLDER_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         if not create:
             return None
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o700, dir_fd=dir_fd)
-        return os.open(name, FOLDER_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in _NOT_A_FOLDER:
             raise
-        if create:
-            raise OSError(errno.ENOTDIR, "a link or a file holds the name of a folder",
-                          name) from exc
-        return None
+        if not create:
+            return None
+    return _replace_with_folder(dir_fd, name)
+
+
+MAKE_TRIES = 3
+"""Tries to put a folder of ours in place of what holds its name (another writer may be
+putting its entry back at the same time)."""
+
+
+def _replace_with_folder(dir_fd: int, name: str) -> int:
+    """Make the folder ``name`` in ``dir_fd``, first removing the entry of another kind
+    that holds its name; a folder (another writer's, or one made meanwhile) is kept and
+    opened. Raises ENOTDIR after ``MAKE_TRIES`` lost races."""
+    for _ in range(MAKE_TRIES):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+        try:
+            return os.open(name, FOLDER_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if exc.errno not in _NOT_A_FOLDER:
+                raise
+        if unlink_at(dir_fd, name):  # never a folder, never what a link points to
+            _said_replaced(name)
+    raise OSError(errno.ENOTDIR, "a link or a file keeps the name of a folder", name)
+
+
+_SAID: set[str] = set()
+"""Folder names whose replacement was logged (once per name and process: a writer that
+keeps planting files must not flood the log)."""
+
+
+def _said_replaced(name: str) -> None:
+    if name not in _SAID and len(_SAID) < 64:
+        _SAID.add(name)
+        log.warning("an entry that is no folder held the name of the folder %.80r; it was "
+                    "removed and the folder made (said once per name)", name)
 
 
 def open_folder(root: str, parts: Sequence[str]) -> int | None:
@@ -138,8 +180,8 @@ def open_folder(root: str, parts: Sequence[str]) -> int | None:
 
 
 def make_folder(root: str, parts: Sequence[str]) -> int:
-    """:func:`open_folder`, making what is missing (the root too); raises ENOTDIR where a
-    link or a file holds a folder's name."""
+    """:func:`open_folder`, making what is missing (the root too) and replacing what holds
+    a folder's name below the root but is no folder (:func:`open_folder_at`)."""
     os.makedirs(root, mode=0o700, exist_ok=True)
     fd = _walk(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parts, create=True)
     if fd is None:  # open_folder_at(create=True) raises instead

@@ -20,6 +20,7 @@ whatever is not what belongs where it lies (:mod:`kvtier.tiers.files`).
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import re
 import secrets
@@ -48,6 +49,7 @@ from kvtier.tiers.shared import (
 from kvtier.tiers.skips import Skipped
 
 FsOptions = FileOptions
+log = logging.getLogger(__name__)
 _SHARD = re.compile(r"[0-9a-f]{2}")
 
 
@@ -61,17 +63,31 @@ class FsTier(SharedTier):
         self._token = secrets.token_hex(4)
         self._skipped = Skipped(name)
         try:
-            for folder in ("chunks", "notes", "tmp"):
-                os.close(files.make_folder(self.root, [folder]))
+            os.close(files.make_folder(self.root, []))
         except OSError as exc:
             raise ConfigError(f"{where}.path: cannot use {self.root!r}: {exc}") from exc
-        direct = choose_o_direct(self.options, os.path.join(self.root, "tmp"), where)
+        self._make_folders()
+        direct = choose_o_direct(self.options, self.root, where, shared=True)
         self.io = FileIO(direct, self.options.fsync, self.options.dir_fsync)
+
+    def _make_folders(self) -> None:
+        """The tier's folders, made (or put back) at start. Whatever another writer left
+        in their place costs this tier its writes until they can be made (each write tries
+        again), never this server's start."""
+        for folder in ("chunks", "notes", "tmp"):
+            try:
+                os.close(files.make_folder(self.root, [folder]))
+            except OSError as exc:
+                log.warning("fs tier %s: cannot make the folder %s/ (%s); writes fail until "
+                            "it can be made", self.name, folder, exc)
 
     @property
     def skipped_entries(self) -> int:
         """Entries listings passed over since start (wrong type, unparseable name)."""
         return self._skipped.total
+
+    def backend_scope(self) -> str:
+        return f"fs:{self.root}"
 
     # ------------------------------------------------------------------ chunks
 

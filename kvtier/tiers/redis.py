@@ -1,66 +1,65 @@
-"""The ``redis`` tier: chunks as values on a Redis or Valkey server that every node reaches.
+"""The ``redis`` tier: chunks as values on a Redis or Valkey server, or a Redis Cluster, that
+every node reaches. Key names: :mod:`~kvtier.tiers.redis_layout`; which node serves a key:
+:mod:`~kvtier.tiers.redis_nodes`; calls, redirects and bounded reads:
+:mod:`~kvtier.tiers.redis_routes`; notes: :mod:`~kvtier.tiers.redis_notes`.
 
-Keys (``P`` is ``options.key_prefix``, default ``kvtier:``; hex of fingerprints and keys only)::
+A write or delete changes a chunk and its index entries in one MULTI/EXEC on one hash slot, so
+a reader or a listing sees both or neither. A read (STRLEN + GETRANGE up to the reader's buffer,
+one round trip) refreshes Redis's own LRU clock and never transfers a value larger than the
+buffer or a note's cap; ``touch`` moves the index score (and the TTL with ``chunk_ttl_s``).
+Redis may evict or expire chunks itself (docs/shared.md): the index then names chunks that are
+gone. A read of one is a miss, the listing may still report it until :meth:`RedisTier.reconcile`
+(run by the sweeper through ``clean_stale_temps``) drops such entries in batches. An evicted
+index or note structure loses listings, never bytes: nothing here trusts the index for what a
+read returns. Other programs may write under the prefix too: index entries that do not parse,
+or sit in another key's bucket, are skipped and counted (:mod:`~kvtier.tiers.redis_index`),
+never fail a listing.
 
-    P c:<ns>:<key>      string   one sealed chunk (header page + payload), written whole by SET
-    P z:<ns>            zset     the namespace's index: member <key>, score = last write or
-                                 touch (unix seconds): listed and ordered without SCAN
-    P s:<ns>            hash     <key> -> the chunk's estimated footprint in Redis's memory
-                                 (:func:`~kvtier.tiers.redis_memory.footprint`), for budgets
-    P ns                set      namespaces that have (had) chunks
-    P n:<name>          string   a note (journal, heartbeats)
-    P nz                zset     note names, score 0: listed in order with ZRANGEBYLEX
-
-A write or delete changes a chunk and its index entries in one MULTI/EXEC, so a reader or a
-listing sees both or neither. A read (STRLEN + GETRANGE up to the reader's buffer, one round
-trip) refreshes Redis's own LRU clock and never transfers a value larger than the buffer or a
-note's cap; ``touch`` moves the index score (and the TTL with ``chunk_ttl_s``). Redis may
-evict or expire chunks itself (docs/shared.md): the index then names chunks that are gone. A
-read of one is a miss, the listing may still report it until :meth:`RedisTier.reconcile` (run
-by the sweeper through ``clean_stale_temps``) drops such entries in batches. An evicted index
-or note structure loses listings, never bytes: nothing here trusts the index for what a read
-returns. Other programs may write under the prefix too: index entries that do not parse are
-skipped and counted (:mod:`~kvtier.tiers.redis_index`), never fail a listing.
+The namespace set is written apart from the chunks (it lives on its own slot): a tier adds a
+namespace before its first write into it and again every :data:`NAMESPACE_REFRESH_S`, so a
+namespace that :meth:`RedisTier.reconcile` forgot while a peer wrote into it is listed again
+within that time.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from collections.abc import Iterator
+from typing import Any, cast
 
+import redis
 from redis.exceptions import RedisError, ResponseError
 
 from kvtier import codec
 from kvtier.config import TierConfig
-from kvtier.errors import ChunkTooLarge, NoteTooLarge, TierIOError
+from kvtier.errors import ChunkTooLarge, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import StoredChunk
-from kvtier.tiers.redis_client import Calls, make_client
+from kvtier.tiers.redis_client import Calls, make_nodes
 from kvtier.tiers.redis_index import (
     hex_member,
     is_wrongtype,
     mtime_of,
-    note_member,
     size_of,
 )
+from kvtier.tiers.redis_layout import BUCKETS, Layout, bucket_of
 from kvtier.tiers.redis_memory import (
     UNKNOWN,
     EvictionFacts,
+    combine,
     eviction_warning,
     footprint,
     read_facts,
 )
+from kvtier.tiers.redis_notes import Notes
 from kvtier.tiers.redis_options import load_password, parse_options
-from kvtier.tiers.redis_upkeep import drop_if_gone, forget_if_empty
-from kvtier.tiers.redis_wire import transaction
+from kvtier.tiers.redis_routes import BATCH, Routes
+from kvtier.tiers.redis_upkeep import drop_if_gone
 from kvtier.tiers.shared import (
     MAX_LISTED_NOTES,
     MAX_NOTE_BYTES,
     SharedTier,
-    check_note_name,
     key_hex,
     namespace_hex,
     split_options,
@@ -70,45 +69,14 @@ from kvtier.tiers.skips import Skips
 log = logging.getLogger(__name__)
 BAD_NAMESPACE = "namespace members that are not 64 hex digits"
 BAD_MEMBER = "index members that are not 64-hex keys"
+BAD_BUCKET = "index members in another key's bucket"
 BAD_SIZE = "sizes that are not positive integers up to the capacity"
-SCANNED = (BAD_NAMESPACE, BAD_MEMBER, BAD_SIZE)
+SCANNED = (BAD_NAMESPACE, BAD_MEMBER, BAD_BUCKET, BAD_SIZE)
 """What a complete :meth:`RedisTier.scan` meets every entry of."""
-BATCH = 512
-"""Index entries per ZSCAN page, HMGET and EXISTS round trip."""
-
-
-class Bounded(NamedTuple):
-    """A value read no further than a limit: its whole length, and its first bytes."""
-
-    size: int
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Key names under one prefix (see the module docstring)."""
-
-    prefix: str
-
-    def chunk(self, ns: str, key: str) -> str:
-        return f"{self.prefix}c:{ns}:{key}"
-
-    def index(self, ns: str) -> str:
-        return f"{self.prefix}z:{ns}"
-
-    def sizes(self, ns: str) -> str:
-        return f"{self.prefix}s:{ns}"
-
-    def note(self, name: str) -> str:
-        return f"{self.prefix}n:{name}"
-
-    @property
-    def namespaces(self) -> str:
-        return f"{self.prefix}ns"
-
-    @property
-    def notes(self) -> str:
-        return f"{self.prefix}nz"
+NAMESPACE_REFRESH_S = 60.0
+REGISTER_RETRY_S = 1.0
+Page = list[tuple[bytes, float]]
+"""ZSCAN entries of an index bucket: (member, score)."""
 
 
 class RedisTier(SharedTier):
@@ -119,13 +87,19 @@ class RedisTier(SharedTier):
         self.options = parse_options(own, where)
         self.endpoint = self.options.endpoint
         password = load_password(self.options, where)
-        self.client = make_client(self.options, password)
-        self.calls = Calls(name, self.options, password)
+        self.nodes = make_nodes(self.options, password)
+        self.calls = Calls(name, self.options, password, self.nodes.failed)
         self.layout = Layout(self.options.key_prefix)
         self.skips = Skips(name)
         """Entries of the index other writers left that do not parse, by kind."""
+        self.routes = Routes(self.nodes, self.calls, self.skips)
+        self.notes = Notes(name, self.routes, self.layout, self.skips)
         ttl = self.options.chunk_ttl_s
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
+        self._registered: dict[str, float] = {}
+        """Namespace -> when this tier last added it to the namespace set (monotonic)."""
+        self._unregistered: set[str] = set()
+        """Namespaces whose last adding failed (logged once until one succeeds)."""
         self.facts = self._read_facts()
 
     @property
@@ -135,7 +109,8 @@ class RedisTier(SharedTier):
 
     def _read_facts(self) -> EvictionFacts:
         try:
-            facts = self.calls.run("reading maxmemory", lambda: read_facts(self.client))
+            facts = self.calls.run("reading maxmemory", lambda: combine(
+                [read_facts(c) for c in self.nodes.primaries()]))
         except TierIOError as exc:  # down now: the store's breaker decides when to use it
             log.warning("%s (at start; the tier is used once Redis answers)", exc)
             return UNKNOWN
@@ -147,26 +122,16 @@ class RedisTier(SharedTier):
             log.warning("redis tier %s (%s): %s", self.name, self.endpoint.redacted(), warning)
         return facts
 
-    def _run(self, what: str, call: Callable[[], Any]) -> Any:
-        return self.calls.run(what, call)
-
-    def _transaction(self, what: str, queue: Callable[[Any], object]) -> list[Any]:
-        """``queue(pipe)`` adds commands; they run in one MULTI/EXEC round trip."""
-        def call() -> list[Any]:
-            with self.client.pipeline(transaction=True) as pipe:
-                queue(pipe)
-                return pipe.execute()
-        return cast(list[Any], self._run(what, call))
-
-    def _batch(self, what: str, queue: Callable[[Any], object], *,
-               raise_on_error: bool = True) -> list[Any]:
-        """``queue(pipe)`` adds commands; they run pipelined, not atomically. Without
-        ``raise_on_error`` a refused command's error is its reply (a wrong type)."""
-        def call() -> list[Any]:
-            with self.client.pipeline(transaction=False) as pipe:
-                queue(pipe)
-                return pipe.execute(raise_on_error=raise_on_error)
-        return cast(list[Any], self._run(what, call))
+    def backend_scope(self) -> str:
+        """Where this tier keeps its keys, the same on every node: ``redis:<db>/<key_prefix>``
+        on one server, ``redis-cluster:<key_prefix>`` on a Redis Cluster (database 0 only).
+        No host or port: a server reaches Redis by whatever address it has (a service name,
+        an IP, a cluster node of its own choosing), so an address would differ between the
+        servers of one tier; two tiers on different servers or clusters with the same prefix
+        need ``tier_id`` to tell their notes apart."""
+        if self.options.cluster:
+            return f"redis-cluster:{self.options.key_prefix}"
+        return f"redis:{self.endpoint.db}/{self.options.key_prefix}"
 
     # ------------------------------------------------------------------ chunks
 
@@ -177,21 +142,49 @@ class RedisTier(SharedTier):
         view = memoryview(data).cast("B")
         header = codec.ChunkHeader.unpack(view[: codec.USED_HEADER_BYTES])
         ns, hexkey = namespace_hex(header.namespace_fp), key_hex(key)
+        self._register(ns)
+        name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
         expiry = () if self._ttl_ms is None else (b"PX", self._ttl_ms)
         stored = footprint(len(view))
-        commands = [(b"SET", self.layout.chunk(ns, hexkey), view, *expiry),
-                    (b"ZADD", self.layout.index(ns), time.time(), hexkey),
-                    (b"HSET", self.layout.sizes(ns), hexkey, stored),
-                    (b"SADD", self.layout.namespaces, ns)]
-        pool = self.client.connection_pool
-        self._run(f"writing {hexkey[:16]}", lambda: transaction(pool, commands))
+        index, sizes = self.layout.index(ns, bucket), self.layout.sizes(ns, bucket)
+        self.routes.exec_typed(name, f"writing {hexkey[:16]}", [
+            (b"SET", name, view, *expiry),
+            (b"ZADD", index, time.time(), hexkey),
+            (b"HSET", sizes, hexkey, stored)], {index: "zset", sizes: "hash"})
         return stored
+
+    def _register(self, ns: str) -> None:
+        """Add ``ns`` to the namespace set before a write into it, again once a while. The
+        set lives on a slot of its own: while its node is down the write goes on (listings
+        miss the namespace until it is added), and the set is tried again a second later. A
+        value of another type under its name is replaced (:mod:`~kvtier.tiers.redis_repair`)."""
+        now = time.monotonic()
+        if now - self._registered.get(ns, -NAMESPACE_REFRESH_S) < NAMESPACE_REFRESH_S:
+            return
+        try:
+            self._add_namespace(ns, "adding a namespace")
+        except TierIOError as exc:
+            if ns not in self._unregistered:
+                log.warning("%s (chunks are written; the namespace is listed once it is added)",
+                            exc)
+            self._unregistered.add(ns)
+            self._registered[ns] = now - NAMESPACE_REFRESH_S + REGISTER_RETRY_S
+            return
+        if ns in self._unregistered:
+            self._unregistered.discard(ns)
+            log.info("redis tier %s: namespace %s added to the namespace set", self.name,
+                     ns[:16])
+        self._registered[ns] = now
+
+    def _add_namespace(self, ns: str, what: str) -> None:
+        names = self.layout.namespaces
+        self.routes.exec_typed(names, what, [(b"SADD", names, ns)], {names: "set"})
 
     def read_into(self, key: ChunkKey, dst: memoryview, *, namespace: bytes) -> int | None:
         hexkey = key_hex(key)
         name = self.layout.chunk(namespace_hex(namespace), hexkey)
         out = memoryview(dst).cast("B")
-        found = self._bounded_get(name, len(out), f"reading {hexkey[:16]}")
+        found = self.routes.bounded_get(name, len(out), f"reading {hexkey[:16]}")
         if found is None or found.size == 0:  # an empty value is no chunk either
             return None
         if found.size > len(out):
@@ -201,52 +194,28 @@ class RedisTier(SharedTier):
         out[: len(found.data)] = found.data
         return len(found.data)
 
-    def _bounded_get(self, name: str, limit: int, what: str, *,
-                     exists: bool = False) -> Bounded | None:
-        """The value's length and at most its first ``limit`` bytes, in one MULTI/EXEC
-        round trip (as fast as a GET, measured: a Lua script doing the same is 40% slower),
-        so a value over ``limit`` is never transferred. ``None``: a value of another type
-        (skipped, counted), or, with ``exists``, no value at all."""
-        commands: list[tuple[bytes | str | int, ...]] = [(b"STRLEN", name)]
-        if limit > 0:  # GETRANGE 0 -1 would be the whole value
-            commands.append((b"GETRANGE", name, 0, limit - 1))
-        if exists:
-            commands.append((b"EXISTS", name))
-        pool = self.client.connection_pool
-        replies = self._run(what, lambda: transaction(pool, commands, raise_errors=False))
-        for reply in replies:
-            if is_wrongtype(reply):
-                self.skips.add("values of another type", where=name)
-                return None
-            if isinstance(reply, RedisError):
-                raise self.calls.translate(reply, what) from reply
-        if exists and not replies[-1]:
-            return None
-        return Bounded(int(replies[0]), bytes(replies[1]) if limit > 0 else b"")
-
     def delete(self, key: ChunkKey, *, namespace: bytes) -> None:
         ns, hexkey = namespace_hex(namespace), key_hex(key)
-
-        def queue(pipe: Any) -> None:
-            pipe.delete(self.layout.chunk(ns, hexkey))
-            pipe.zrem(self.layout.index(ns), hexkey)
-            pipe.hdel(self.layout.sizes(ns), hexkey)
-
-        self._transaction(f"deleting {hexkey[:16]}", queue)
+        name, bucket = self.layout.chunk(ns, hexkey), bucket_of(hexkey)
+        index, sizes = self.layout.index(ns, bucket), self.layout.sizes(ns, bucket)
+        self.routes.exec_typed(name, f"deleting {hexkey[:16]}", [
+            (b"DEL", name), (b"ZREM", index, hexkey), (b"HDEL", sizes, hexkey)],
+            {index: "zset", sizes: "hash"})
 
     def quarantine(self, key: ChunkKey, *, namespace: bytes) -> None:
         self.delete(key, namespace=namespace)  # nothing is kept on a store others read
 
     def touch(self, key: ChunkKey, *, namespace: bytes) -> None:
         ns, hexkey = namespace_hex(namespace), key_hex(key)
+        name, index = self.layout.chunk(ns, hexkey), self.layout.index(ns, bucket_of(hexkey))
         now = time.time()
 
         def queue(pipe: Any) -> None:
-            pipe.zadd(self.layout.index(ns), {hexkey: now}, xx=True)  # never adds
+            pipe.zadd(index, {hexkey: now}, xx=True)  # never adds
             if self._ttl_ms is not None:
-                pipe.pexpire(self.layout.chunk(ns, hexkey), self._ttl_ms)
+                pipe.pexpire(name, self._ttl_ms)
 
-        self._batch(f"touching {hexkey[:16]}", queue)
+        self.routes.batch(name, f"touching {hexkey[:16]}", queue)
 
     def scan(self) -> Iterator[StoredChunk]:
         before = self.skips.snapshot()
@@ -257,49 +226,69 @@ class RedisTier(SharedTier):
     def scan_namespace(self, namespace: bytes) -> Iterator[StoredChunk]:
         """The index's entries (size, score as mtime, priority 35): may include chunks Redis
         evicted since (a read of one is a miss) until :meth:`reconcile` drops them. Members
-        that are not keys are skipped; an index of another type lists nothing."""
+        that are not keys, or not of their bucket, are skipped; an index of another type
+        lists nothing."""
         ns = namespace_hex(namespace)
-        seen: set[bytes] = set()  # ZSCAN may return an entry twice while Redis rehashes
-        bad = 0
-        for page in self._zscan(self.layout.index(ns), "listing chunks"):
-            fresh = [(m, s) for m, s in page if m not in seen and hex_member(m)]
-            bad += sum(1 for m, _ in page if m not in seen and not hex_member(m))
-            seen.update(m for m, _ in page)
+        seen: dict[str, set[bytes]] = {b: set() for b in BUCKETS}  # ZSCAN may repeat entries
+        for group in self._page_groups(ns, "listing chunks"):
+            fresh = [(b, self._members(page, b, seen[b])) for b, page in group]
             now = time.time()
             for member, score, size in self._sized(ns, fresh):
                 yield StoredChunk(ChunkKey(bytes.fromhex(member.decode())), size,
                                   mtime_of(score, now), 35, namespace)
-        self.skips.add(BAD_MEMBER, bad)
 
-    def _zscan(self, index: str, what: str) -> Iterator[list[tuple[bytes, float]]]:
-        """ZSCAN pages; a key of another type under ``index`` has none (skipped, counted)."""
-        cursor = 0
-        while True:
-            def step(at: int = cursor) -> tuple[int, list[tuple[bytes, float]]]:
-                try:
-                    return cast(tuple[int, list[tuple[bytes, float]]],
-                                self.client.zscan(index, at, count=BATCH))
-                except ResponseError as exc:
-                    if not is_wrongtype(exc):
-                        raise
-                    self.skips.add("index keys of another type", where=index)
-                    return 0, []
-            cursor, page = self._run(what, step)
-            yield page
-            if cursor == 0:
-                return
+    def _page_groups(self, ns: str, what: str) -> Iterator[list[tuple[str, Page]]]:
+        """The index buckets' ZSCAN pages: first a page of every bucket (pipelined per
+        node), then the further pages of the buckets that have more, one at a time."""
+        indexes = [self.layout.index(ns, b) for b in BUCKETS]
+        firsts = self.routes.each(indexes, what, lambda pipe, k: pipe.zscan(k, 0, count=BATCH))
+        group: list[tuple[str, Page]] = []
+        more: list[tuple[str, str, int]] = []
+        for bucket, index, first in zip(BUCKETS, indexes, firsts, strict=True):
+            if is_wrongtype(first):
+                self.skips.add("index keys of another type", where=index)
+                continue
+            if isinstance(first, RedisError):
+                raise self.calls.translate(first, what) from first
+            cursor, page = first
+            group.append((bucket, page))
+            if int(cursor):
+                more.append((bucket, index, int(cursor)))
+        yield group
+        for bucket, index, cursor in more:
+            for page in self.routes.zscan(index, what, start=cursor):
+                yield [(bucket, page)]
 
-    def _sized(self, ns: str, page: list[tuple[bytes, float]]
+    def _members(self, page: Page, bucket: str, seen: set[bytes]) -> Page:
+        """The page's entries not seen before whose member is a key of ``bucket``; the others
+        are counted as skipped."""
+        fresh = [(m, s) for m, s in page if m not in seen]
+        seen.update(m for m, _ in page)
+        keys = [(m, s) for m, s in fresh if hex_member(m)]
+        mine = [(m, s) for m, s in keys if m[:2].decode() == bucket]
+        self.skips.add(BAD_MEMBER, len(fresh) - len(keys))
+        self.skips.add(BAD_BUCKET, len(keys) - len(mine))
+        return mine
+
+    def _sized(self, ns: str, pages: list[tuple[str, Page]]
                ) -> Iterator[tuple[bytes, float, int]]:
-        """Each member with its size from the size hash; a size that is missing (evicted) or
-        not a positive integer (garbage) is asked of the chunk itself: 0 means it is gone."""
-        if not page:
-            return
+        """Each member of ``pages`` (bucket, entries) with its size: the size buckets' HMGETs
+        pipelined per node."""
+        pages = [(b, page) for b, page in pages if page]
+        wheres = [self.layout.sizes(ns, b) for b, _ in pages]
+        members = {w: [m for m, _ in page] for w, (_, page) in zip(wheres, pages, strict=True)}
+        hashes = self.routes.each(wheres, "listing sizes",
+                                  lambda pipe, k: pipe.hmget(k, members[k]))
+        for (_, page), where, hashed in zip(pages, wheres, hashes, strict=True):
+            yield from self._sized_page(ns, page, where, hashed)
+
+    def _sized_page(self, ns: str, page: Page, where: str, hashed: Any
+                    ) -> Iterator[tuple[bytes, float, int]]:
+        """A size that is missing (evicted) or not a positive integer (garbage) is asked of
+        the chunk itself: 0 means it is gone."""
         members = [m for m, _ in page]
-        hashed = self._batch("listing sizes", lambda pipe: pipe.hmget(
-            self.layout.sizes(ns), members), raise_on_error=False)[0]
         if is_wrongtype(hashed):
-            self.skips.add("size hashes of another type", where=self.layout.sizes(ns))
+            self.skips.add("size hashes of another type", where=where)
             hashed = [None] * len(members)
         elif isinstance(hashed, RedisError):
             raise self.calls.translate(hashed, "listing sizes") from hashed
@@ -310,7 +299,7 @@ class RedisTier(SharedTier):
         lost = [m for m, size in zip(members, sizes, strict=True) if size is None]
         lengths: dict[bytes, int] = {}
         if lost:  # the size hash was evicted: ask the chunks (0 for one that is gone too)
-            found = self._batch("reading lost sizes", lambda pipe: [
+            found = self.routes.batch(where, "reading lost sizes", lambda pipe: [
                 pipe.strlen(self.layout.chunk(ns, m.decode())) for m in lost],
                 raise_on_error=False)
             lengths = {m: n if isinstance(n, int) else 0 for m, n in zip(lost, found,
@@ -322,94 +311,51 @@ class RedisTier(SharedTier):
                 yield member, float(score), footprint(lengths[member])
 
     def namespaces(self) -> list[bytes]:
-        listed = self._indexed_namespaces()
-        counts = self._batch("counting chunks", lambda pipe: [
-            pipe.zcard(self.layout.index(ns)) for ns in listed], raise_on_error=False)
-        wrong = [ns for ns, n in zip(listed, counts, strict=True) if is_wrongtype(n)]
-        for ns in wrong:
-            self.skips.add("index keys of another type", where=self.layout.index(ns))
-        return [bytes.fromhex(ns) for ns, n in zip(listed, counts, strict=True)
-                if isinstance(n, int) and n]
+        return [bytes.fromhex(ns) for ns in self._indexed_namespaces() if self._count(ns)]
+
+    def _count(self, ns: str) -> int:
+        """Index entries of ``ns`` over its buckets (those of another type count none)."""
+        indexes = [self.layout.index(ns, b) for b in BUCKETS]
+        counts = self.routes.each(indexes, "counting chunks", lambda pipe, k: pipe.zcard(k))
+        for index, n in zip(indexes, counts, strict=True):
+            if is_wrongtype(n):
+                self.skips.add("index keys of another type", where=index)
+            elif isinstance(n, RedisError):
+                raise self.calls.translate(n, "counting chunks") from n
+        return sum(n for n in counts if isinstance(n, int))
 
     def _indexed_namespaces(self) -> list[str]:
         """The namespace set's members that are namespaces (64 hex digits); the rest are
         skipped and counted, and a key of another type under its name lists none."""
-        def members() -> set[bytes]:
+        names = self.layout.namespaces
+
+        def members(client: redis.Redis) -> set[bytes]:
             try:
-                return cast(set[bytes], self.client.smembers(self.layout.namespaces))
+                return cast(set[bytes], client.smembers(names))
             except ResponseError as exc:
                 if not is_wrongtype(exc):
                     raise
-                self.skips.add("namespace sets of another type", where=self.layout.namespaces)
+                self.skips.add("namespace sets of another type", where=names)
                 return set()
-        found = self._run("listing namespaces", members)
+        found = self.routes.at(names, "listing namespaces", members)
         listed = sorted(ns for ns in map(hex_member, found) if ns is not None)
-        self.skips.add(BAD_NAMESPACE,
-                       len(found) - len(listed))
+        self.skips.add(BAD_NAMESPACE, len(found) - len(listed))
         return listed
 
     # ------------------------------------------------------------------ notes
 
     def put_note(self, name: str, data: bytes) -> None:
-        check_note_name(name)
-
-        def queue(pipe: Any) -> None:
-            pipe.set(self.layout.note(name), data)
-            pipe.zadd(self.layout.notes, {name: 0})
-
-        self._transaction(f"writing note {name}", queue)
+        self.notes.put(name, data)
 
     def get_note(self, name: str, max_bytes: int = MAX_NOTE_BYTES) -> bytes | None:
-        key = self.layout.note(check_note_name(name))
-        found = self._bounded_get(key, max_bytes, f"reading note {name}", exists=True)
-        if found is None:
-            return None
-        if found.size > max_bytes:
-            raise NoteTooLarge(f"redis tier {self.name}: note {name} holds {found.size} bytes, "
-                               f"more than the {max_bytes} a note may (not read)")
-        return found.data
+        return self.notes.get(name, max_bytes)
 
     def list_notes(self, prefix: str, start_after: str = "",
                    limit: int = MAX_LISTED_NOTES) -> list[str]:
-        """The first ``limit`` valid note names under ``prefix`` (at any depth), in order;
-        members of the name index that are not note names are skipped and counted."""
-        folder = check_note_name(prefix.rstrip("/")) + "/"
-        low = b"(" + start_after.encode() if start_after >= folder else b"[" + folder.encode()
-        high = f"({folder[:-1]}0"  # '0' follows '/': the end of the folder's range
-        names: list[str] = []
-        while len(names) < limit:
-            want = min(limit - len(names), BATCH * 8)
-            page = self._notes_range(f"listing notes {prefix}", low, high, want)
-            valid = [n for n in map(note_member, page) if n is not None and n > start_after]
-            self.skips.add("note names that are not valid", len(page) - len(valid))
-            names += valid
-            if len(page) < want:
-                break
-            low = b"(" + page[-1]
-        return names
-
-    def _notes_range(self, what: str, low: bytes, high: str, count: int) -> list[bytes]:
-        """Up to ``count`` members of the name index in (low, high); none where another
-        type sits under its name."""
-        def call() -> list[bytes]:
-            try:
-                return cast(list[bytes], self.client.zrangebylex(
-                    self.layout.notes, low, high, start=0, num=count))
-            except ResponseError as exc:
-                if not is_wrongtype(exc):
-                    raise
-                self.skips.add("index keys of another type", where=self.layout.notes)
-                return []
-        return cast(list[bytes], self._run(what, call))
+        return self.notes.names(prefix, start_after, limit)
 
     def delete_note(self, name: str) -> None:
-        check_note_name(name)
-
-        def queue(pipe: Any) -> None:
-            pipe.delete(self.layout.note(name))
-            pipe.zrem(self.layout.notes, name)
-
-        self._transaction(f"deleting note {name}", queue)
+        self.notes.delete(name)
 
     # ------------------------------------------------------------------ upkeep
 
@@ -424,40 +370,54 @@ class RedisTier(SharedTier):
         checked again under WATCH, so an entry a writer re-creates meanwhile is kept."""
         dropped = 0
         for ns in self._indexed_namespaces():
-            index = self.layout.index(ns)
-            for page in self._zscan(index, "reconciling the index"):
-                keys = {m: self.layout.chunk(ns, k) for m, k in
-                        ((m, hex_member(m)) for m, _ in page) if k is not None}
-                dropped += self._drop_vanished(index, self.layout.sizes(ns), keys)
+            for group in self._page_groups(ns, "reconciling the index"):
+                dropped += self._drop_gone(ns, group)
             self._forget_if_empty(ns)
-        for page in self._zscan(self.layout.notes, "reconciling notes"):
-            notes = {m: self.layout.note(n) for m, n in
-                     ((m, note_member(m)) for m, _ in page) if n is not None}
-            dropped += self._drop_vanished(self.layout.notes, None, notes)
+        return dropped + self.notes.reconcile()
+
+    def _drop_gone(self, ns: str, group: list[tuple[str, Page]]) -> int:
+        """Drop the entries of ``group`` whose chunk is gone: EXISTS pipelined per node,
+        :data:`BATCH` x 8 at a time, then one WATCHed transaction per bucket that lost any."""
+        entries = [(b, m, self.layout.chunk(ns, m.decode())) for b, page in group
+                   for m, _ in page if hex_member(m) and m[:2].decode() == b]
+        dropped = 0
+        step = BATCH * 8
+        for at in range(0, len(entries), step):
+            batch = entries[at:at + step]
+            there = self.routes.each([name for _, _, name in batch], "checking indexed keys",
+                                     lambda pipe, k: pipe.exists(k))
+            gone: dict[str, dict[bytes, str]] = {}
+            for (bucket, member, name), n in zip(batch, there, strict=True):
+                if isinstance(n, RedisError):
+                    raise self.calls.translate(n, "checking indexed keys") from n
+                if not n:
+                    gone.setdefault(bucket, {})[member] = name
+            for bucket, lost in gone.items():
+                dropped += self._drop_if_gone(ns, bucket, lost)
         return dropped
 
-    def _drop_vanished(self, index: str, sizes: str | None, keys: dict[bytes, str]) -> int:
-        if not keys:
-            return 0
-        there = self._batch("checking indexed keys", lambda pipe: [
-            pipe.exists(k) for k in keys.values()])
-        gone = {m: k for (m, k), n in zip(keys.items(), there, strict=True) if not n}
-        if not gone:
-            return 0
-
-        return cast(int, self._run("dropping vanished index entries", lambda: drop_if_gone(
-            self.client, index, sizes, gone)))
+    def _drop_if_gone(self, ns: str, bucket: str, lost: dict[bytes, str]) -> int:
+        index, sizes = self.layout.index(ns, bucket), self.layout.sizes(ns, bucket)
+        return self.routes.at(index, "dropping vanished index entries",
+                              lambda client: drop_if_gone(client, index, sizes, lost))
 
     def _forget_if_empty(self, ns: str) -> None:
-        self._run("forgetting an empty namespace", lambda: forget_if_empty(
-            self.client, self.layout.index(ns), self.layout.sizes(ns), self.layout.namespaces,
-            ns))
+        """Remove ``ns`` from the namespace set if none of its buckets holds an entry; put it
+        back if a writer filled one meanwhile (the buckets are on other slots: no WATCH)."""
+        if self._count(ns):
+            return
+        names = self.layout.namespaces
+        self.routes.at(names, "forgetting an empty namespace", lambda c: c.srem(names, ns))
+        self._registered.pop(ns, None)
+        if self._count(ns):
+            self._add_namespace(ns, "keeping a namespace")
 
     def describe(self) -> dict[str, Any]:
         source = ("password_env" if self.options.password_env else
                   "password_file" if self.options.password_file else
                   "url" if self.endpoint.password is not None else None)
         return {**super().describe(), "url": self.endpoint.redacted(), "shared": True,
+                "cluster": self.options.cluster,
                 "key_prefix": self.options.key_prefix, "tls": self.endpoint.tls,
                 "verify": self.options.verify, "password_source": source,
                 "max_connections": self.options.max_connections,
@@ -465,5 +425,4 @@ class RedisTier(SharedTier):
                 "maxmemory": self.facts.maxmemory, "maxmemory_policy": self.facts.policy}
 
     def close(self) -> None:
-        self.client.connection_pool.disconnect()
-        self.client.close()
+        self.nodes.close()

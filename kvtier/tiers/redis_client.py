@@ -28,6 +28,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.errors import TierFull, TierIOError, TierTimeout
+from kvtier.tiers.redis_nodes import ClusterNodes, SingleNode
 from kvtier.tiers.redis_options import RedisOptions
 
 T = TypeVar("T")
@@ -53,12 +54,24 @@ class HiddenCredentials(CredentialProvider):
         return f"HiddenCredentials(username={self._username!r}, password=<hidden>)"
 
 
-def make_client(options: RedisOptions, password: str | None) -> redis.Redis:
-    """A client on a pool of at most ``max_connections``; connects lazily."""
+def make_nodes(options: RedisOptions, password: str | None) -> SingleNode | ClusterNodes:
+    """The server, or the cluster's nodes (each on a pool of its own, made when first used)."""
+    endpoint = options.endpoint
+    if not options.cluster:
+        return SingleNode(make_client(options, password))
+    return ClusterNodes([(endpoint.host, endpoint.port), *options.seed_nodes],
+                        lambda host, port: make_client(options, password, (host, port)))
+
+
+def make_client(options: RedisOptions, password: str | None,
+                address: tuple[str, int] | None = None) -> redis.Redis:
+    """A client on a pool of at most ``max_connections``; connects lazily. ``address``: a
+    cluster node's, instead of the URL's host and port."""
     endpoint = options.endpoint
     username = options.username or endpoint.username
+    host, port = address or (endpoint.host, endpoint.port)
     kwargs: dict[str, Any] = {
-        "host": endpoint.host, "port": endpoint.port, "db": endpoint.db,
+        "host": host, "port": port, "db": endpoint.db,
         "socket_timeout": options.socket_timeout_s,
         "socket_connect_timeout": options.connect_timeout_s,
         "retry": Retry(NoBackoff(), 0),
@@ -77,8 +90,10 @@ def make_client(options: RedisOptions, password: str | None) -> redis.Redis:
 class Calls:
     """Runs one tier's redis calls under its retry policy, raising kvtier errors."""
 
-    def __init__(self, tier: str, options: RedisOptions, secret: str | None) -> None:
+    def __init__(self, tier: str, options: RedisOptions, secret: str | None,
+                 on_connection_error: Callable[[], None] = lambda: None) -> None:
         self.tier = tier
+        self.on_connection_error = on_connection_error
         self.retries = options.retries
         self.backoff_s = options.retry_backoff_s
         self._secret = secret
@@ -89,6 +104,8 @@ class Calls:
             try:
                 return call()
             except RedisError as exc:
+                if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+                    self.on_connection_error()  # a cluster reloads its map before the next
                 if attempt == self.retries or not _retryable(exc):
                     raise self.translate(exc, what) from exc
             time.sleep(delay)

@@ -61,6 +61,15 @@ def read_facts(client: Any) -> EvictionFacts:
     return EvictionFacts(int(memory) if memory and memory.isdigit() else None, policy)
 
 
+def combine(facts: list[EvictionFacts]) -> EvictionFacts:
+    """A cluster's facts from its primaries': the sum of their limits (0 if one has none,
+    unknown if one refused), the first one's policy."""
+    if not facts or any(f.maxmemory is None for f in facts):
+        return UNKNOWN
+    limits = [f.maxmemory for f in facts if f.maxmemory is not None]
+    return EvictionFacts(0 if 0 in limits else sum(limits), facts[0].policy)
+
+
 def eviction_warning(facts: EvictionFacts, capacity_bytes: int,
                      chunk_ttl_s: float | None) -> str | None:
     """One sentence when Redis's settings will hurt: it can grow without bound, it refuses

@@ -24,6 +24,7 @@ from kvtier.errors import ConfigError
 
 _PREFIX = re.compile(r"[A-Za-z0-9_.:/{}-]{1,100}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HOST = re.compile(r"[A-Za-z0-9_.:%-]{1,253}")
 
 
 REFUSED_PASSWORD = ("a password is never read from the config, which gets logged and copied: "
@@ -63,6 +64,12 @@ class RedisOptions(ConfigStruct, frozen=True, repr_omit_defaults=False):
     on a refused login): one picks up a restarted server through a stale pooled socket."""
     retry_backoff_s: float = 0.05
     """Wait before the first retry, doubled for each further one."""
+    cluster: bool = False
+    """The url names one node of a Redis (or Valkey) Cluster: the tier learns the others from
+    it and sends each key to the primary that serves its hash slot (docs/shared.md)."""
+    nodes: list[str] = []
+    """More cluster nodes (``host:port``) to ask for the slot map when the url's does not
+    answer (a tier that starts while that node is down)."""
     chunk_ttl_s: float | None = None
     """Chunks expire this long after their last write or touch (``volatile-*`` eviction
     policies evict only keys with a TTL); the index and notes never expire."""
@@ -85,6 +92,18 @@ class RedisOptions(ConfigStruct, frozen=True, repr_omit_defaults=False):
         if self.password_env is not None and self.password_file is not None:
             raise ConfigError("password_env, password_file: give one password source")
         endpoint = Endpoint.parse(self.url)
+        if self.cluster and endpoint.db != 0:
+            raise ConfigError("url: a Redis Cluster has only database 0 (redis://host:port/0) "
+                              "with cluster: true")
+        if self.nodes and not self.cluster:
+            raise ConfigError("nodes: only with cluster: true")
+        if len(self.nodes) > 64:
+            raise ConfigError("nodes: at most 64 (the cluster tells the tier the rest)")
+        for node in self.nodes:
+            _host_port(node)
+        if self.cluster and ("{" in self.key_prefix or "}" in self.key_prefix):
+            raise ConfigError("key_prefix: no { or } with cluster: true (the tier puts the "
+                              "hash tags that place keys on slots itself)")
         if not endpoint.tls and (self.ca_bundle is not None or not self.verify):
             raise ConfigError("ca_bundle, verify: only for TLS (a rediss:// url)")
         if endpoint.password is not None and (self.password_env or self.password_file):
@@ -96,6 +115,11 @@ class RedisOptions(ConfigStruct, frozen=True, repr_omit_defaults=False):
     @property
     def endpoint(self) -> Endpoint:
         return Endpoint.parse(self.url)
+
+    @property
+    def seed_nodes(self) -> list[tuple[str, int]]:
+        """``nodes`` as (host, port)."""
+        return [_host_port(node) for node in self.nodes]
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{name}={value!r}"
@@ -144,6 +168,14 @@ class Endpoint:
 
     def __repr__(self) -> str:
         return f"Endpoint({self.redacted()!r})"
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    host, _, port = node.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"nodes: {node!r} is not host:port (a port in [1, 65535])")
+    return host, int(port)
 
 
 def load_password(options: RedisOptions, where: str) -> str | None:

@@ -21,12 +21,15 @@ BIG = 16 << 10
 """Arguments this long go to the socket as they are (no copy into the packet)."""
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 _EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
 
-def pack_transaction(commands: Sequence[Sequence[Arg]]) -> list[bytes | memoryview]:
-    """MULTI, ``commands``, EXEC in RESP: small parts joined, big memoryviews left alone."""
+def pack_transaction(commands: Sequence[Sequence[Arg]], *, asking: bool = False
+                     ) -> list[bytes | memoryview]:
+    """MULTI, ``commands``, EXEC in RESP: small parts joined, big memoryviews left alone;
+    ``asking``: ASKING first (a cluster node then serves a slot it is importing)."""
     parts: list[bytes | memoryview] = []
-    buf = bytearray(_MULTI)
+    buf = bytearray(_ASKING + _MULTI if asking else _MULTI)
     for command in commands:
         buf += b"*%d\r\n" % len(command)
         for arg in command:
@@ -43,17 +46,18 @@ def pack_transaction(commands: Sequence[Sequence[Arg]]) -> list[bytes | memoryvi
 
 
 def transaction(pool: Any, commands: Sequence[Sequence[Arg]], *,
-                raise_errors: bool = True) -> list[Any]:
+                raise_errors: bool = True, asking: bool = False) -> list[Any]:
     """Run ``commands`` in one MULTI/EXEC on a connection of ``pool``; EXEC's replies.
 
     Raises redis-py's errors: ConnectionError / TimeoutError from the socket, ResponseError
     for a command the server refused (OOM at maxmemory, a wrong type; with ``raise_errors``
-    false such a refusal is left in the replies instead), WatchError if EXEC was aborted."""
-    packet = pack_transaction(commands)
+    false such a refusal is left in the replies instead; a cluster's MOVED or ASK is always
+    raised), WatchError if EXEC was aborted. ``asking``: after an ASK redirect."""
+    packet = pack_transaction(commands, asking=asking)
     conn = pool.get_connection()
     try:
         conn.send_packed_command(packet)
-        for _ in range(len(commands) + 1):  # +OK for MULTI, +QUEUED for each command
+        for _ in range(len(commands) + 1 + asking):  # +OK for (ASKING,) MULTI, +QUEUED each
             conn.read_response()
         replies = conn.read_response()
     except BaseException:

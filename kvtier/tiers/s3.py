@@ -70,6 +70,9 @@ class S3Tier(SharedTier):
         """Entries listings and reads passed over since start (``skips.counts`` by kind)."""
         return self.skips.total()
 
+    def backend_scope(self) -> str:
+        return f"s3:{self.bucket}/{self.prefix}"
+
     # ------------------------------------------------------------------ plumbing
 
     @contextlib.contextmanager

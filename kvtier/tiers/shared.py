@@ -52,6 +52,7 @@ else:
 NOTE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
 CHUNK_FILE = re.compile(r"([0-9a-f]{64})\.kvc")
+TIER_ID = re.compile(r"[\x21-\x7e]{1,200}")
 MAX_NOTE_BYTES = 1 << 20
 """The largest note a reader accepts by default: a journal note holds at most
 ``journal.MAX_RECORDS`` records of about 80 bytes; a heartbeat is tiny."""
@@ -81,6 +82,12 @@ class SharingOptions(ConfigStruct, frozen=True):
     max_clock_skew_s: float = 30.0
     """Heartbeats and notes dated further than this ahead of this server's clock are
     ignored (a wrong or forged clock must not win the sweeper election) and swept."""
+    tier_id: str | None = None
+    """Names this tier in the MACs of its notes (with a cluster secret), the same string on
+    every server of the tier and a different one on every other tier signed with the same
+    secret. Default: where the backend keeps the tier (S3 bucket and prefix, Redis database
+    and key prefix, the fs tier's path); set it where that differs between nodes (an fs
+    tier mounted at different paths) or names two tiers alike."""
 
     def __post_init__(self) -> None:
         if self.namespace_bytes is not None:
@@ -92,6 +99,8 @@ class SharingOptions(ConfigStruct, frozen=True):
                 raise ConfigError(f"{name} must be positive")
         if self.journal_keep_s < 10 * self.poll_s:
             raise ConfigError("journal_keep_s must be at least 10 x poll_s")
+        if self.tier_id is not None and not TIER_ID.fullmatch(self.tier_id):
+            raise ConfigError(f"tier_id: {self.tier_id!r}: 1-200 printable ASCII characters")
 
 
 SHARING_KEYS = frozenset(SharingOptions.__struct_fields__)
@@ -111,6 +120,20 @@ class SharedTier(LowerTier):
     shared = True
     scan_priority = False
     sharing: SharingOptions
+
+    @property
+    def note_scope(self) -> str:
+        """What names this tier in its notes' MACs (:mod:`kvtier.auth`): ``id:`` and the
+        configured ``tier_id``, else :meth:`backend_scope`. Configuration, never read from
+        the tier: a writer of the tier cannot choose it."""
+        if self.sharing.tier_id is not None:
+            return f"id:{self.sharing.tier_id}"
+        return self.backend_scope()
+
+    @abstractmethod
+    def backend_scope(self) -> str:
+        """Where the backend keeps this tier, written the same on every node (not an
+        endpoint's host name, which may differ between nodes)."""
 
     @abstractmethod
     def scan_namespace(self, namespace: bytes) -> Iterator[StoredChunk]:

@@ -126,6 +126,9 @@ class StubBackend:
     stream_details: bool = False
     """Streams: the last event carries ``kv_transfer_params.kvtier``, written in two pieces
     split inside its line."""
+    cached_tokens: int | None = None
+    """Answers carry ``usage.prompt_tokens_details.cached_tokens`` of this many (whole, and
+    in streams asking for usage)."""
     answer_headers: dict[str, str] = field(default_factory=dict)
     """Sent on every completion's answer (whole and streamed)."""
     seen: list[dict[str, Any]] = field(default_factory=list)
@@ -205,13 +208,22 @@ class StubBackend:
             return web.json_response(headers=self.answer_headers, data={
                 "id": "cmpl-stub", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": " w" * self.tokens, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": len(body.get("prompt") or ""),
-                          "completion_tokens": self.tokens},
+                "usage": self._usage(body, self.tokens),
                 "kv_transfer_params": {"kvtier": {"tokens": sources}} if sources else None,
                 "served_by": self.url})
         finally:
             self.running -= 1
             self._open.discard(request.transport)
+
+    def _usage(self, body: dict[str, Any], generated: int) -> dict[str, Any]:
+        """``usage`` as vLLM with ``--enable-prompt-tokens-details`` (as ``kvtier serve``
+        starts it) writes it: ``cached_tokens`` counts the prompt tokens a cache served."""
+        prompt = len(body.get("prompt") or body.get("messages") or "")
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": generated,
+                                 "total_tokens": prompt + generated}
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
     async def _prefill(self, body: dict[str, Any]) -> dict[str, int] | None:
         prompt = body.get("prompt")
@@ -224,6 +236,7 @@ class StubBackend:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            **self.answer_headers})
         await resp.prepare(request)
+        options = body.get("stream_options") or {}
         if self.hang_first_byte:
             await asyncio.sleep(3600)
         self.streaming += 1
@@ -234,6 +247,8 @@ class StubBackend:
                                         + self.token_s_per_stream * (self.streaming - 1))
                 chunk = {"id": "cmpl-stub", "choices": [{"index": 0, "text": f" w{i}"}],
                          "served_by": self.url}
+                if options.get("continuous_usage_stats"):
+                    chunk["usage"] = self._usage(body, i + 1)
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         finally:
             self.streaming -= 1
@@ -244,6 +259,9 @@ class StubBackend:
             await resp.write(event[:20])
             await asyncio.sleep(0.05)
             await resp.write(event[20:])
+        if options.get("include_usage"):
+            last = {"id": "cmpl-stub", "choices": [], "usage": self._usage(body, self.tokens)}
+            await resp.write(f"data: {json.dumps(last)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

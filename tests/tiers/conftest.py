@@ -12,7 +12,8 @@ from service_fixtures import left_out
 NEEDS = {"test_s3.py": "boto3", "test_s3_config.py": "boto3", "test_s3_faults.py": "boto3",
          "test_redis.py": "redis", "test_redis_auth.py": "redis",
          "test_redis_eviction.py": "redis", "test_redis_options.py": "redis",
-         "test_redis_hostile.py": "redis", "test_s3_hostile.py": "boto3"}
+         "test_redis_hostile.py": "redis", "test_s3_hostile.py": "boto3",
+         "test_redis_cluster.py": "redis", "test_redis_cluster_hostile.py": "redis"}
 MISSING, collect_ignore = left_out(NEEDS)
 
 

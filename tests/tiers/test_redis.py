@@ -50,13 +50,14 @@ def test_the_layout_is_what_the_docs_say(redis_server: RedisServer) -> None:
     tier.write(key, data)
     tier.put_note("servers/a", b"alive")
     ns, hexkey = NAMESPACE.hex(), key.hex()
+    tag = f"{{{ns}:{hexkey[:2]}}}"
     r = plain(redis_server)
     assert sorted(r.keys("*")) == sorted(
-        f"app1:{k}".encode() for k in (f"c:{ns}:{hexkey}", f"z:{ns}", f"s:{ns}", "ns",
-                                       "n:servers/a", "nz"))
-    assert r.get(f"app1:c:{ns}:{hexkey}") == bytes(data)
-    assert r.hget(f"app1:s:{ns}", hexkey) == str(footprint(len(data))).encode()
-    assert r.zscore(f"app1:z:{ns}", hexkey) == pytest.approx(time.time(), abs=5)
+        f"app1:{k}".encode() for k in (f"c:{tag}:{hexkey}", f"z:{tag}", f"s:{tag}", "ns",
+                                       "n:{app1:n}:servers/a", "nz:{app1:n}"))
+    assert r.get(f"app1:c:{tag}:{hexkey}") == bytes(data)
+    assert r.hget(f"app1:s:{tag}", hexkey) == str(footprint(len(data))).encode()
+    assert r.zscore(f"app1:z:{tag}", hexkey) == pytest.approx(time.time(), abs=5)
     other = redis_tier(redis_server.url, key_prefix="app2:")
     assert list(other.scan()) == [] and other.list_notes("servers/") == []
     tier.close()
@@ -137,7 +138,8 @@ def test_reconcile_drops_what_redis_lost_and_keeps_the_rest(redis_server: RedisS
     tier.put_note("journal/2", b"b")
     r = plain(redis_server)
     lost = keys[::3]
-    r.delete(*[tier.layout.chunk(NAMESPACE.hex(), k.hex()) for k in lost], "kvtier:n:journal/1")
+    r.delete(*[tier.layout.chunk(NAMESPACE.hex(), k.hex()) for k in lost],
+             tier.layout.note("journal/1"))
     assert len(list(tier.scan())) == len(keys), "the index still names them"
     assert read_back(tier, lost[0], 2 * codec.PAGE) is None, "a miss, not an error"
     assert tier.clean_stale_temps(3600) == len(lost) + 1
@@ -159,7 +161,9 @@ def test_chunk_ttl_expires_chunks_but_never_the_index(redis_server: RedisServer)
     ns = NAMESPACE.hex()
     chunk = tier.layout.chunk(ns, key.hex())
     assert 3590_000 < r.pttl(chunk) <= 3600_000
-    assert r.pttl(tier.layout.index(ns)) == -1 and r.pttl(tier.layout.sizes(ns)) == -1
+    bucket = key.hex()[:2]
+    assert r.pttl(tier.layout.index(ns, bucket)) == -1
+    assert r.pttl(tier.layout.sizes(ns, bucket)) == -1
     r.pexpire(chunk, 10_000)
     tier.touch(key, namespace=NAMESPACE)
     assert r.pttl(chunk) > 3590_000, "a touch renews the TTL"
@@ -176,18 +180,20 @@ def test_bench_runs_with_tiny_sizes(redis_server: RedisServer) -> None:
     assert plain(redis_server).dbsize() == 0, "the bench removes what it wrote"
 
 
-def test_a_refused_transaction_leaves_the_pool_usable(redis_server: RedisServer) -> None:
+def test_a_refused_transaction_puts_the_key_back_and_leaves_the_pool_usable(
+        redis_server: RedisServer) -> None:
     tier = redis_tier(redis_server.url, max_connections=1)  # one socket: any leftover shows
     key, other = key_of("in the way"), key_of("after")
     r = plain(redis_server)
-    r.set(tier.layout.index(NAMESPACE.hex()), b"not a sorted set")  # another program's key
-    with pytest.raises(TierIOError, match="WRONGTYPE"):
-        tier.write(key, sealed_chunk(key))
-    r.delete(tier.layout.index(NAMESPACE.hex()))
+    index = tier.layout.index(NAMESPACE.hex(), key.hex()[:2])
+    r.set(index, b"not a sorted set")  # another program's key
+    tier.write(key, sealed_chunk(key))  # refused (WRONGTYPE), the index made again, written
+    assert r.type(index) == b"zset"
+    assert tier.skips.counts["index keys of another type, replaced"] == 1
     data = sealed_chunk(other, seed=3)
     tier.write(other, data)
     assert read_back(tier, other, len(data)) == data
-    assert {c.key for c in tier.scan()} == {other}
+    assert {c.key for c in tier.scan()} == {key, other}
     tier.close()
 
 
@@ -242,3 +248,35 @@ def test_a_chunk_another_server_wrote_is_offered_here(redis_server: RedisServer,
     assert load(reader, k, n=SLOT_BYTES - HEADER_SIZE).payloads == expected(
         k, n=SLOT_BYTES - HEADER_SIZE)
     reader.check_integrity()
+
+
+OLD_LAYOUT_PATTERNS = ("kvtier:c:[0-9a-f]*", "kvtier:z:[0-9a-f]*", "kvtier:s:[0-9a-f]*",
+                       "kvtier:n:[a-z]*", "kvtier:nz")
+"""docs/shared.md's redis-cli patterns for the keys of the layout without hash tags."""
+
+
+def test_keys_of_the_old_layout_are_misses_and_the_docs_patterns_match_only_them(
+        redis_server: RedisServer) -> None:
+    r = plain(redis_server)
+    key = key_of("old layout")
+    data = sealed_chunk(key)
+    ns, hexkey = NAMESPACE.hex(), key.hex()
+    old = {f"kvtier:c:{ns}:{hexkey}", f"kvtier:z:{ns}", f"kvtier:s:{ns}",
+           "kvtier:n:journal/1-a-1", "kvtier:nz"}
+    r.set(f"kvtier:c:{ns}:{hexkey}", bytes(data))
+    r.zadd(f"kvtier:z:{ns}", {hexkey: time.time()})
+    r.hset(f"kvtier:s:{ns}", hexkey, len(data))
+    r.sadd("kvtier:ns", ns)
+    r.set("kvtier:n:journal/1-a-1", b"old note")
+    r.zadd("kvtier:nz", {"journal/1-a-1": 0})
+    tier = redis_tier(redis_server.url)
+    assert read_back(tier, key, len(data)) is None, "an old chunk is a miss"
+    assert list(tier.scan()) == [] and tier.namespaces() == []
+    assert tier.list_notes("journal/") == []
+    assert tier.reconcile() == 0 and not r.sismember("kvtier:ns", ns), "forgotten"
+    tier.write(key, data)
+    tier.put_note("journal/2-b-1", b"new note")
+    assert read_back(tier, key, len(data)) == data
+    matched = {k.decode() for p in OLD_LAYOUT_PATTERNS for k in r.scan_iter(match=p)}
+    assert matched == old, "the cleanup removes the old keys, never a new one"
+    tier.close()

@@ -118,7 +118,8 @@ def test_secrets_never_show(make_redis: MakeRedis, tmp_path: Path,
     for url, options in logins:
         tier = redis_tier(url, **options)
         shown += [repr(tier.describe()), repr(tier.options), repr(tier.endpoint),
-                  repr(tier.client), repr(tier.client.connection_pool)]
+                  repr(tier.nodes.client_for("k")),
+                  repr(tier.nodes.client_for("k").connection_pool)]
         try:
             round_trip(tier)
             tier.put_note("servers/me", b"alive")

@@ -28,6 +28,7 @@ from store_helpers import (
 from kvtier import codec
 from kvtier.errors import ChunkTooLarge, NoteTooLarge
 from kvtier.services import RedisServer
+from kvtier.tiers.redis_layout import Layout
 from kvtier.tiers.redis_memory import footprint
 
 from .conformance import NAMESPACE, key_of, page_buffer, read_back, sealed_chunk
@@ -45,15 +46,18 @@ def redis_tier_dict(url: str) -> dict[str, Any]:
             "options": {"url": url, **FAST}}
 
 
-def plant_garbage(r: Any, prefix: str, ns: str, good: list[str]) -> None:
+def plant_garbage(r: Any, layout: Layout, ns: str, good: list[str]) -> None:
     """What another program could leave under the tier's prefix."""
     other = "ab" * 32  # a namespace whose index is a string, not a sorted set
-    r.sadd(f"{prefix}ns", b"\xff", b"not hex", "AB" * 32, "0" * 63, other)
-    r.set(f"{prefix}z:{other}", b"not a sorted set")
-    r.zadd(f"{prefix}z:{ns}", {b"\xff" * 64: 1.0, b"not-a-key": 2.0, "0" * 63: 3.0,
-                               "f" * 64: float("inf")})  # a key never written: STRLEN 0
-    r.hset(f"{prefix}s:{ns}", mapping={good[0]: b"not an integer", good[1]: b"-5",
-                                       good[2]: b"9" * 17})
+    bucket = good[0][:2]
+    stray = next(b * 32 for b in ("ee", "dd") if b != bucket)  # a key of another bucket
+    r.sadd(layout.namespaces, b"\xff", b"not hex", "AB" * 32, "0" * 63, other)
+    r.set(layout.index(other, "00"), b"not a sorted set")
+    r.zadd(layout.index(ns, bucket), {b"\xff" * 64: 1.0, b"not-a-key": 2.0, "0" * 63: 3.0,
+                                      stray: 4.0})
+    r.zadd(layout.index(ns, "ff"), {"f" * 64: float("inf")})  # never written: STRLEN 0
+    for key, size in zip(good, (b"not an integer", b"-5", b"9" * 17), strict=True):
+        r.hset(layout.sizes(ns, key[:2]), key, size)
 
 
 def test_garbage_in_the_index_at_start_neither_stops_a_server_nor_hides_a_chunk(
@@ -65,7 +69,7 @@ def test_garbage_in_the_index_at_start_neither_stops_a_server_nor_hides_a_chunk(
     k = keys(3, "garbage at start")
     store_chunks(writer, k)
     settle(writer)
-    plant_garbage(plain(redis_server), "kvtier:", NS.hex(), [key.hex() for key in k])
+    plant_garbage(plain(redis_server), Layout("kvtier:"), NS.hex(), [key.hex() for key in k])
 
     server = make_server(tiers=[tier])  # rebuilds from the index on start
     store = store_of(server)
@@ -82,7 +86,7 @@ def test_a_scan_lists_every_good_chunk_with_its_real_size_and_counts_the_rest(
     for key, data in chunks.items():
         tier.write(key, data)
     r = plain(redis_server)
-    plant_garbage(r, "kvtier:", NAMESPACE.hex(), [key.hex() for key in good])
+    plant_garbage(r, tier.layout, NAMESPACE.hex(), [key.hex() for key in good])
     caplog.set_level(logging.INFO, logger="kvtier.tiers")
 
     for _ in range(2):
@@ -95,18 +99,19 @@ def test_a_scan_lists_every_good_chunk_with_its_real_size_and_counts_the_rest(
     assert tier.namespaces() == [NAMESPACE]
     assert tier.skips.counts["namespace members that are not 64 hex digits"] == 3 * 4
     assert tier.skips.counts["index members that are not 64-hex keys"] == 2 * 3
+    assert tier.skips.counts["index members in another key's bucket"] == 2 * 1
     assert tier.skips.counts["sizes that are not positive integers up to the capacity"] == 2 * 3
     assert tier.skips.counts["index keys of another type"] >= 2
     assert tier.skipped_entries == sum(tier.skips.counts.values())
     warnings = [rec for rec in caplog.records
                 if rec.levelno == logging.WARNING and "skipping" in rec.getMessage()]
-    assert len(warnings) == 4, "one line per kind of garbage, not one per entry or per scan"
+    assert len(warnings) == 5, "one line per kind of garbage, not one per entry or per scan"
 
     assert tier.reconcile() == 1, "only the entry of a chunk never written is dropped"
     assert {c.key for c in tier.scan()} == set(good)
     for key, data in chunks.items():
         assert read_back(tier, key, len(data)) == data
-    r.srem("kvtier:ns", b"\xff", b"not hex", "AB" * 32, "0" * 63)
+    r.srem(tier.layout.namespaces, b"\xff", b"not hex", "AB" * 32, "0" * 63)
     caplog.clear()
     list(tier.scan())
     assert any("no more namespace members" in rec.getMessage() for rec in caplog.records)
@@ -122,10 +127,11 @@ def test_keys_of_another_type_list_nothing_and_fail_nothing(redis_server: RedisS
     tier.put_note("journal/1", b"one")
     r = plain(redis_server)
     ns = NAMESPACE.hex()
-    r.delete(f"typed:s:{ns}")
-    r.lpush(f"typed:s:{ns}", b"a list, not a hash")
+    sizes = tier.layout.sizes(ns, key.hex()[:2])
+    r.delete(sizes)
+    r.lpush(sizes, b"a list, not a hash")
     assert [c.size for c in tier.scan()] == [footprint(len(data))], "sizes from STRLEN"
-    for name in ("typed:ns", "typed:nz"):
+    for name in (tier.layout.namespaces, tier.layout.notes):
         r.delete(name)
         r.set(name, b"a string")
     assert list(tier.scan()) == [] and tier.namespaces() == []
@@ -135,8 +141,8 @@ def test_keys_of_another_type_list_nothing_and_fail_nothing(redis_server: RedisS
     r.delete(chunk)
     r.hset(chunk, "field", "a hash where a chunk belongs")
     assert tier.read_into(key, page_buffer(len(data)), namespace=NAMESPACE) is None
-    r.delete("typed:n:journal/1")
-    r.hset("typed:n:journal/1", "field", "a hash where a note belongs")
+    r.delete(tier.layout.note("journal/1"))
+    r.hset(tier.layout.note("journal/1"), "field", "a hash where a note belongs")
     assert tier.get_note("journal/1") is None
     assert tier.skips.counts["values of another type"] == 2
     tier.close()
@@ -177,7 +183,7 @@ def test_an_oversized_note_raises_note_too_large_unread(redis_server: RedisServe
     tier = redis_tier(redis_server.url)
     r = plain(redis_server)
     r.setrange(tier.layout.note("journal/huge"), BIG - 1, b"x")
-    r.zadd("kvtier:nz", {"journal/huge": 0})
+    r.zadd(tier.layout.notes, {"journal/huge": 0})
     raised, peak = peak_bytes(lambda: tier.get_note("journal/huge"))
     assert isinstance(raised, NoteTooLarge) and f"{BIG} bytes" in str(raised), raised
     assert peak < 4 * MiB, f"{peak} bytes held: the note was transferred"
@@ -202,7 +208,7 @@ def test_list_notes_honours_its_limit_and_leaves_out_invalid_names(redis_server:
     bad: list[bytes | str] = [f"journal/!{i}" for i in range(30)]  # sort before the valid
     bad += [b"journal/\xff", "journal/../escape", "journal/a b", "journal/zz/../x",
             "journal/\u00e9"]
-    r.zadd("kvtier:nz", dict.fromkeys(bad, 0))
+    r.zadd(tier.layout.notes, dict.fromkeys(bad, 0))
     assert tier.list_notes("journal/", limit=10) == valid[:10]
     assert tier.list_notes("journal/", start_after=valid[9], limit=10) == valid[10:20]
     assert tier.list_notes("journal/", start_after=valid[19], limit=10) == valid[20:]

@@ -43,6 +43,14 @@ def test_defaults_and_the_endpoint() -> None:
     ({"password_env": "A", "password_file": "/f"}, "one password source"),
     ({"url": "redis://:pw@h/0", "password_env": "A"}, "one password source"),
     ({"url": "redis://alice:pw@h/0", "username": "bob"}, "differs"),
+    ({"url": "redis://h/1", "cluster": True}, "only database 0"),
+    ({"url": "redis://h/0", "key_prefix": "{app}:", "cluster": True},
+     "no { or } with cluster: true"),
+    ({"cluster": "yes"}, "cluster"),
+    ({"nodes": ["h:1"]}, "nodes: only with cluster: true"),
+    ({"url": "redis://h/0", "cluster": True, "nodes": ["h"]}, "not host:port"),
+    ({"url": "redis://h/0", "cluster": True, "nodes": ["h:0"]}, "not host:port"),
+    ({"url": "redis://h/0", "cluster": True, "nodes": ["a b:1"]}, "not host:port"),
 ])
 def test_bad_options_name_the_key(kw: dict[str, Any], message: str) -> None:
     data = {"url": URL, **kw}
