@@ -98,10 +98,16 @@ def test_the_name_reader_sees_what_a_query_names() -> None:
                   'kvtier_io_seconds_bucket{direction="read"}[$__rate_interval])))')
     assert found.metrics == {"kvtier_io_seconds_bucket"}
     assert found.selectors[0].labels == {"direction"} and found.grouping == {"le", "tier"}
-    assert names('sum(up{job=~"$job"} == 0) / count(vllm:x_total) by (engine)').metrics == {
-        "up", "vllm:x_total"}
-    with pytest.raises(ValueError, match="unknown function"):
-        names("sume(kvtier_hits_total)")
+    joined = names('count by (job) (up == 0) / on (job) group_left (engine) '
+                   'count by (job, engine) (vllm:x_total{engine!=""})')
+    assert joined.metrics == {"up", "vllm:x_total"}
+    assert joined.grouping == {"job", "engine"}
+    assert joined.selectors[1].labels == {"engine"}
+    for bad, why in (("sume(kvtier_hits_total)", "unknown function"),
+                     ("sum(rate(kvtier_hits_total[5m])", "parenthesis"),
+                     ('kvtier_hits_total{tier=~"$tier"}', "unknown dashboard variable")):
+        with pytest.raises(ValueError, match=why):
+            names(bad)
 
 
 def test_a_query_naming_what_is_not_exported_is_caught() -> None:
