@@ -26,13 +26,14 @@ what it must not echo (:mod:`kvtier.store.changes`).
 
 A peer's record is a *booking* (:meth:`book`, :mod:`kvtier.store.bookings`): bounded per peer
 and per tier, never making room by evicting a chunk this server wrote, read and verified
-(:meth:`hit`) or found by a listing.
+(:meth:`hit`) or found by a listing; room taken from it forgets it, never deletes it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
@@ -52,6 +53,14 @@ log = logging.getLogger("kvtier.store")
 FULL_COOL_DOWN_S = 5.0
 """How long a tier without ``space()`` stays held to what it has after a write refused as full
 (the interval at which file tiers' free space is read)."""
+
+
+class Room(NamedTuple):
+    """What :meth:`LowerTierState.make_room` took: the victims to delete, and how many
+    bookings it forgot (left on the tier)."""
+
+    victims: list[tuple[ChunkKey, bytes]]
+    forgotten: int
 
 
 class LowerTierState:
@@ -186,16 +195,17 @@ class LowerTierState:
     def admits(self, key: ChunkKey, priority: int, prefix_tokens: int) -> bool:
         return self.books.admits(key, priority, prefix_tokens)
 
-    def make_room(self, size: int, protected: Callable[[Hashable], bool]
-                  ) -> list[tuple[ChunkKey, bytes]] | None:
+    def make_room(self, size: int, protected: Callable[[Hashable], bool]) -> Room | None:
         """Evict until ``size`` more bytes fit, and promise them to a write.
 
         Returns the evicted (key, namespace) pairs, already gone from the books (the caller
-        deletes them), or ``None`` if the chunk cannot fit even after evicting every
-        unprotected chunk (nothing is evicted then). Walks the eviction order lazily: the
-        cost is the victims, not the tier's size.
+        deletes them), and how many peers' bookings were forgotten to make room (out of the
+        books, left on the tier: :meth:`TierBooks.make_room`); or ``None`` if the chunk
+        cannot fit even after evicting every unprotected chunk (nothing is evicted then).
+        Walks the eviction order lazily: the cost is the victims, not the tier's size.
         """
-        chosen = self.books.make_room(size, protected)
+        forgot: list[Hashable] = []
+        chosen = self.books.make_room(size, protected, forgot)
         if chosen is None:
             return None
         victims: list[tuple[ChunkKey, bytes]] = []
@@ -204,7 +214,10 @@ class LowerTierState:
             namespace = self.namespaces.pop(key)
             victims.append((key, namespace))
             self._announce(Change.REMOVED, Origin.HERE, key, namespace)
-        return victims
+        for raw in forgot:
+            key = ChunkKey(raw)  # type: ignore[arg-type]
+            self._announce(Change.REMOVED, Origin.HERE, key, self.namespaces.pop(key))
+        return Room(victims, len(forgot))
 
     def touch(self, key: ChunkKey) -> None:
         """A use of a held chunk (a lease here, a peer's hit): later in the eviction order."""
