@@ -138,6 +138,13 @@ class LowerTierState:
         return self.books.capacity
 
     @property
+    def stored_bytes(self) -> int:
+        """The bytes of the books' chunks known to be on the tier: ``used`` less the
+        bookings (which exist on a peer's word alone and are forgotten, not deleted, to make
+        room)."""
+        return self.books.used - self.books.bookings.bytes
+
+    @property
     def bookings(self) -> Bookings:
         """The chunks held on a peer's word alone, by peer, and their bounds."""
         return self.books.bookings
@@ -340,18 +347,19 @@ class LowerTierState:
         if space is None:
             self._full_backend()
             return
+        stored = self.stored_bytes
         limit = self.configured
         keep = self.config.keep_free_bytes
         if keep is None:
             keep = max(self.chunk_bytes_hint, space.total // 100)
-        limit = min(limit, self.used + max(0, space.free - keep))
+        limit = min(limit, stored + max(0, space.free - keep))
         if full:
-            limit = min(limit, self.used)
+            limit = min(limit, stored)
         limited = limit < self.configured
         if limited and not self.limited_by_filesystem:
             log.warning("tier %s: the filesystem holds only %d more bytes; capacity lowered "
                         "from %d to %d bytes (older chunks are evicted to make room)",
-                        self.name, max(0, limit - self.used), self.configured, limit)
+                        self.name, max(0, limit - stored), self.configured, limit)
         elif self.limited_by_filesystem and not limited:
             log.info("tier %s: the filesystem has room again; capacity back to %d bytes",
                      self.name, self.configured)
@@ -362,9 +370,9 @@ class LowerTierState:
         if self.full_until is None:
             log.warning("tier %s: the backend refused a write as full; capacity lowered from "
                         "%d to %d bytes for %g s (older chunks are evicted to make room)",
-                        self.name, self.capacity, self.used, FULL_COOL_DOWN_S)
+                        self.name, self.capacity, self.stored_bytes, FULL_COOL_DOWN_S)
         self.full_until = self.clock() + FULL_COOL_DOWN_S
-        self.books.set_capacity(min(self.capacity, self.used))
+        self.books.set_capacity(min(self.capacity, self.stored_bytes))
 
     def cool_down(self) -> None:
         """Give a tier that refused a write as full (no ``space()``) its capacity back once
