@@ -5,8 +5,9 @@ books take it (a lookup finds it at once) as a *booking* of that peer (the write
 note), until this server reads and verifies the chunk or a listing finds it (it is
 *confirmed*: :meth:`TierBooks.confirm`), or a miss, a ``-`` record, an eviction or a listing
 drops it. Whoever may write the journal may book chunks that do not exist, so bookings are
-bounded (:class:`Limits`) and cost at most their own room (:meth:`TierBooks.make_room` never
-evicts a confirmed chunk for them)::
+bounded (:class:`Limits`) and cost at most their own room: :meth:`TierBooks.make_room` takes
+room from bookings first by forgetting them (never deleting them: a booking may be its peer's
+verified chunk), and evicts a confirmed chunk only for the room confirmed chunks need::
 
     per peer   entries <= peer_entries     bytes <= peer_bytes  (the whole tier)
     per tier   entries <= tier_entries     bytes <= tier_bytes  (twice that)

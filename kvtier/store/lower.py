@@ -26,13 +26,14 @@ what it must not echo (:mod:`kvtier.store.changes`).
 
 A peer's record is a *booking* (:meth:`book`, :mod:`kvtier.store.bookings`): bounded per peer
 and per tier, never making room by evicting a chunk this server wrote, read and verified
-(:meth:`hit`) or found by a listing.
+(:meth:`hit`) or found by a listing; room taken from it forgets it, never deletes it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 from kvtier.codec import HEADER_SIZE, PAGE
 from kvtier.config import TierConfig
@@ -52,6 +53,14 @@ log = logging.getLogger("kvtier.store")
 FULL_COOL_DOWN_S = 5.0
 """How long a tier without ``space()`` stays held to what it has after a write refused as full
 (the interval at which file tiers' free space is read)."""
+
+
+class Room(NamedTuple):
+    """What :meth:`LowerTierState.make_room` took: the victims to delete, and how many
+    bookings it forgot (left on the tier)."""
+
+    victims: list[tuple[ChunkKey, bytes]]
+    forgotten: int
 
 
 class LowerTierState:
@@ -129,6 +138,13 @@ class LowerTierState:
         return self.books.capacity
 
     @property
+    def stored_bytes(self) -> int:
+        """The bytes of the books' chunks known to be on the tier: ``used`` less the
+        bookings (which exist on a peer's word alone and are forgotten, not deleted, to make
+        room)."""
+        return self.books.used - self.books.bookings.bytes
+
+    @property
     def bookings(self) -> Bookings:
         """The chunks held on a peer's word alone, by peer, and their bounds."""
         return self.books.bookings
@@ -186,16 +202,17 @@ class LowerTierState:
     def admits(self, key: ChunkKey, priority: int, prefix_tokens: int) -> bool:
         return self.books.admits(key, priority, prefix_tokens)
 
-    def make_room(self, size: int, protected: Callable[[Hashable], bool]
-                  ) -> list[tuple[ChunkKey, bytes]] | None:
+    def make_room(self, size: int, protected: Callable[[Hashable], bool]) -> Room | None:
         """Evict until ``size`` more bytes fit, and promise them to a write.
 
         Returns the evicted (key, namespace) pairs, already gone from the books (the caller
-        deletes them), or ``None`` if the chunk cannot fit even after evicting every
-        unprotected chunk (nothing is evicted then). Walks the eviction order lazily: the
-        cost is the victims, not the tier's size.
+        deletes them), and how many peers' bookings were forgotten to make room (out of the
+        books, left on the tier: :meth:`TierBooks.make_room`); or ``None`` if the chunk
+        cannot fit even after evicting every unprotected chunk (nothing is evicted then).
+        Walks the eviction order lazily: the cost is the victims, not the tier's size.
         """
-        chosen = self.books.make_room(size, protected)
+        forgot: list[Hashable] = []
+        chosen = self.books.make_room(size, protected, forgot)
         if chosen is None:
             return None
         victims: list[tuple[ChunkKey, bytes]] = []
@@ -204,7 +221,10 @@ class LowerTierState:
             namespace = self.namespaces.pop(key)
             victims.append((key, namespace))
             self._announce(Change.REMOVED, Origin.HERE, key, namespace)
-        return victims
+        for raw in forgot:
+            key = ChunkKey(raw)  # type: ignore[arg-type]
+            self._announce(Change.REMOVED, Origin.HERE, key, self.namespaces.pop(key))
+        return Room(victims, len(forgot))
 
     def touch(self, key: ChunkKey) -> None:
         """A use of a held chunk (a lease here, a peer's hit): later in the eviction order."""
@@ -327,18 +347,19 @@ class LowerTierState:
         if space is None:
             self._full_backend()
             return
+        stored = self.stored_bytes
         limit = self.configured
         keep = self.config.keep_free_bytes
         if keep is None:
             keep = max(self.chunk_bytes_hint, space.total // 100)
-        limit = min(limit, self.used + max(0, space.free - keep))
+        limit = min(limit, stored + max(0, space.free - keep))
         if full:
-            limit = min(limit, self.used)
+            limit = min(limit, stored)
         limited = limit < self.configured
         if limited and not self.limited_by_filesystem:
             log.warning("tier %s: the filesystem holds only %d more bytes; capacity lowered "
                         "from %d to %d bytes (older chunks are evicted to make room)",
-                        self.name, max(0, limit - self.used), self.configured, limit)
+                        self.name, max(0, limit - stored), self.configured, limit)
         elif self.limited_by_filesystem and not limited:
             log.info("tier %s: the filesystem has room again; capacity back to %d bytes",
                      self.name, self.configured)
@@ -349,9 +370,9 @@ class LowerTierState:
         if self.full_until is None:
             log.warning("tier %s: the backend refused a write as full; capacity lowered from "
                         "%d to %d bytes for %g s (older chunks are evicted to make room)",
-                        self.name, self.capacity, self.used, FULL_COOL_DOWN_S)
+                        self.name, self.capacity, self.stored_bytes, FULL_COOL_DOWN_S)
         self.full_until = self.clock() + FULL_COOL_DOWN_S
-        self.books.set_capacity(min(self.capacity, self.used))
+        self.books.set_capacity(min(self.capacity, self.stored_bytes))
 
     def cool_down(self) -> None:
         """Give a tier that refused a write as full (no ``space()``) its capacity back once

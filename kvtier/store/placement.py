@@ -23,7 +23,7 @@ the capacity, the keys whose delete is queued, and the chunks booked on a peer's
 (:mod:`kvtier.store.bookings`), which never cost a confirmed chunk its place::
 
     used == sum(sizes)     keys(sizes) == keys(policy)     used + reserved <= capacity
-    bookings ⊆ sizes       room for bookings comes from bookings
+    bookings ⊆ sizes       room is taken from bookings first (forgotten, not deleted)
 """
 
 from __future__ import annotations
@@ -114,59 +114,69 @@ class TierBooks:
 
     # ------------------------------------------------------------------ room, victims
 
-    def make_room(self, size: int, protected: Callable[[Hashable], bool]
-                  ) -> list[Hashable] | None:
+    def make_room(self, size: int, protected: Callable[[Hashable], bool],
+                  forgot: list[Hashable] | None = None) -> list[Hashable] | None:
         """Evict until ``size`` more fit beside what is held and promised, and promise them.
 
         Returns the victims, already out of the books (the caller deletes them), or ``None``
         when the chunk cannot fit even after evicting every unprotected chunk (nothing is
         evicted then). Walks the eviction order lazily: the cost is the victims.
 
-        A confirmed chunk is a victim only while confirmed chunks (and writes promised
-        room) alone need the room: what bookings take is made room for from bookings, in
-        eviction order, so a peer's records of chunks that do not exist cost at most their
-        own room.
+        Room is taken from bookings first, in eviction order: a booking is only forgotten
+        (appended to ``forgot``), never a victim, since it exists on a peer's word alone and
+        may be that peer's verified chunk (the tier's total is the sweeper's to enforce). A
+        confirmed chunk is a victim, in eviction order, only for the room that the
+        unprotected bookings cannot give.
         """
         if size > self.capacity:
             return None
         need = self.used + self.reserved + size - self.capacity
         victims: list[Hashable] = []
         if need > 0:
-            spared = self._spared(need - self.bookings.bytes, protected)
-            chosen = self.policy.evict_bytes(need, self.sizes.__getitem__, spared)
+            chosen = self._choose(need, protected)
             if chosen is None:
                 return None
             for key in chosen:
                 size_of = self.sizes.pop(key)
                 self.used -= size_of
-                self.bookings.drop(key, size_of)
-                victims.append(key)
+                if key in self.bookings:
+                    self.bookings.drop(key, size_of)
+                    if forgot is not None:
+                        forgot.append(key)
+                else:
+                    victims.append(key)
         self.reserved += size
         return victims
 
-    def _spared(self, confirmed_need: int, protected: Callable[[Hashable], bool]
-                ) -> Callable[[Hashable], bool]:
-        """``protected``, and every confirmed chunk once the walk passed confirmed ones
-        worth ``confirmed_need`` bytes (the room they need without the bookings)."""
+    def _choose(self, need: int, protected: Callable[[Hashable], bool]
+                ) -> list[Hashable] | None:
+        """Unprotected chunks worth ``need`` bytes, out of the eviction order (``None``:
+        nothing changes): bookings first, then confirmed chunks for what they lack."""
         bookings = self.bookings
         if not bookings.count:
-            return protected
-        left = confirmed_need
-        passed: set[Hashable] = set()
+            return self.policy.evict_bytes(need, self.sizes.__getitem__, protected)
 
-        def spared(key: Hashable) -> bool:
-            nonlocal left
-            if protected(key):
-                return True
-            if key in bookings or key in passed:
-                return False
-            if left <= 0:
-                return True
-            left -= self.sizes[key]
-            passed.add(key)
-            return False
+        def booked(key: Hashable) -> bool:
+            return key in bookings and not protected(key)
 
-        return spared
+        def confirmed(key: Hashable) -> bool:
+            return key not in bookings and not protected(key)
+
+        size_of = self.sizes.__getitem__
+        chosen = self.policy.evict_bytes(need, size_of, lambda k: not booked(k))
+        if chosen is not None:
+            return chosen
+        free = sum(self.sizes[key] for key in bookings.peer_of if booked(key))
+        first = self.policy.evict_bytes(need - free, size_of, lambda k: not confirmed(k))
+        if first is None:
+            return None
+        rest = need - sum(map(size_of, first))
+        if rest <= 0:
+            return first
+        more = self.policy.evict_bytes(rest, size_of, lambda k: not booked(k))
+        if more is None:  # cannot be: ``rest`` <= ``free``
+            raise IntegrityError(f"tier {self.name}: bookings worth {free} bytes gave less")
+        return first + more
 
     def release(self, promised: int) -> None:
         """A copy promised ``promised`` by :meth:`make_room` stored nothing."""

@@ -123,10 +123,13 @@ class Writes:
     def submit(self, entry: Entry, targets: list[LowerTierState]) -> None:
         size = stored_size(entry.payload_len)
         for state in targets:
-            victims = state.make_room(size, functools.partial(self.reading, state))
-            if victims is None:
+            room = state.make_room(size, functools.partial(self.reading, state))
+            if room is None:
                 self.metrics.admission_refusals.labels(state.name, "full").inc()
                 continue
+            victims = room.victims
+            if room.forgotten:  # a peer's booking is forgotten, never deleted here
+                self.metrics.evictions.labels(state.name, "booking").inc(room.forgotten)
             for key, _namespace in victims:
                 self.metrics.evictions.labels(state.name, "capacity").inc()
                 state.mark_deleting(key)

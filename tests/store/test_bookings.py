@@ -129,6 +129,27 @@ def test_a_peer_chunk_read_here_is_verified_and_kept(servers: Servers) -> None:
     writer.check_integrity()
 
 
+def test_room_made_here_forgets_a_peer_chunk_and_never_deletes_it(servers: Servers) -> None:
+    """A peer's chunks not read here yet are bookings: when this server's writes need their
+    room, it forgets them (counted), and they stay on the tier for their writer; the tier's
+    total is the sweeper's to keep (not sweeping here)."""
+    writer = servers("w", sweep_interval_s=3600.0)
+    reader = servers("r", slots=16, capacity=8 * CHUNK_BYTES, sweep_interval_s=3600.0)
+    theirs = keys(4, "theirs")
+    store_chunks(writer, theirs)
+    settle(writer)
+    assert wait_until(lambda: reader.tiers[0].bookings.count == 4, 5.0)
+    mine = keys(8, "mine")
+    store_chunks(reader, mine)
+    settle(reader)
+    time.sleep(0.2)  # deletes queued by the writes' evictions have run
+    assert set(theirs) <= listed(reader), "no peer's chunk was deleted for this server's room"
+    assert reader.tiers[0].bookings.count == 0 and not set(theirs) & set(reader.tiers[0].sizes)
+    assert sample(reader, "kvtier_evictions_total", tier="shared", cause="booking") == 4
+    reader.check_integrity()
+    writer.check_integrity()
+
+
 @FS_ONLY
 def test_bookings_are_bounded_per_peer_and_per_tier(servers: Servers) -> None:
     """300,000 well-formed puts spread over notes under the per-note caps, from one peer

@@ -346,6 +346,34 @@ def test_one_full_refusal_from_a_tier_without_space_lowers_its_capacity_only_for
     store.check_integrity()
 
 
+def test_a_full_tier_is_held_to_its_stored_chunks_not_its_bookings(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """Peers' bookings are not known to be on the tier: after a write refused as full
+    (ENOSPC, or a backend without ``space()``), the capacity is what this server's chunks
+    take, so the next write makes real room (it forgets the bookings and evicts a chunk)."""
+    store = make_store(tmp_path, disk_bytes=64 * CHUNK_BYTES)
+    disk = store.tiers[0]
+    first = keys(2, "first")
+    store_chunks(store, first)
+    settle(store)
+    stored = disk.used
+    size = disk.sizes[first[0]]
+    with store._lock.held("test"):
+        for key in keys(4, "booked"):
+            assert disk.book(key, size, NS, "peer") is None
+        assert disk.used == stored + 4 * size
+        disk.learn_space(None, full=True)
+        assert disk.capacity == stored, "held to what is known to be stored"
+        disk.learn_space(Space(free=0, total=1 << 40), full=True)
+        assert disk.capacity == stored
+        room = disk.make_room(size, lambda _k: False)
+        assert room is not None and room.forgotten == 4 and len(room.victims) == 1
+        disk.release(size)
+        for key, namespace in room.victims:
+            disk.deleted(key, namespace)
+    store.check_integrity()
+
+
 class FailsDeletesTier(DiskTier):
     """A real disk tier whose next ``fail`` deletes raise (a backend blip)."""
 

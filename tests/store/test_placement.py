@@ -187,3 +187,59 @@ def test_the_core_imports_no_runtime_piece_and_no_trace() -> None:
                      if isinstance(node, ast.ImportFrom)}
         extra = imported - allowed - {"logging", "dataclasses"}
         assert not extra, f"{module.__name__} imports {sorted(extra)}"
+
+
+def booked(tier: TierBooks, key: int, peer: str = "peer", size: int = 1) -> None:
+    tier.add(key, size, peer=peer)
+
+
+def test_room_taken_from_a_booking_forgets_it_and_never_makes_it_a_victim() -> None:
+    """A booking may be its peer's verified chunk: making room forgets it (nothing to
+    delete); this server's released and old chunks stay, in their retention order."""
+    tier = books(3)
+    tier.add("mine_released", 1, priority=0)
+    tier.add("mine_old", 1, priority=35)
+    booked(tier, "peer_fresh")  # type: ignore[arg-type]
+    forgot: list[Hashable] = []
+    assert tier.make_room(1, never, forgot) == [], "nothing of the peer's is deleted"
+    assert forgot == ["peer_fresh"] and "peer_fresh" not in tier
+    assert tier.bookings.count == 0 and (tier.used, tier.reserved) == (2, 1)
+    tier.add("new", 1, promised=1)
+    assert tier.make_room(1, never) == ["mine_released"], "then by retention, lowest first"
+    tier.check_integrity()
+
+
+def test_confirmed_chunks_are_victims_only_for_the_room_bookings_cannot_give() -> None:
+    tier = books(4)
+    tier.add("mine_released", 1, priority=0)
+    tier.add("mine_old", 1, priority=35)
+    booked(tier, "a")  # type: ignore[arg-type]
+    booked(tier, "b")  # type: ignore[arg-type]
+    forgot: list[Hashable] = []
+    assert tier.make_room(3, never, forgot) == ["mine_released"]
+    assert sorted(forgot) == ["a", "b"] and (tier.used, tier.reserved) == (1, 3)
+    tier.check_integrity()
+
+
+def test_a_booking_being_read_does_not_stop_a_confirmed_chunk_making_room() -> None:
+    """A booking under a read is protected: it gives no room, so the confirmed chunks
+    give it (the write is not refused)."""
+    tier = books(3)
+    tier.add(1, 1)
+    tier.add(2, 1)
+    booked(tier, 3)
+    assert tier.make_room(1, lambda k: k == 3) == [1]
+    assert 3 in tier and tier.bookings.count == 1
+    tier.check_integrity()
+
+
+def test_room_is_all_or_nothing_with_bookings_too() -> None:
+    tier = books(3)
+    tier.add(1, 1)
+    booked(tier, 2)
+    booked(tier, 3)
+    forgot: list[Hashable] = []
+    assert tier.make_room(3, lambda k: k == 1, forgot) is None
+    assert forgot == [] and tier.policy.order() == [1, 2, 3] and tier.bookings.count == 2
+    assert (tier.used, tier.reserved) == (3, 0)
+    tier.check_integrity()
