@@ -507,11 +507,24 @@ class TieredStore:
             if len(records) < EXPIRE_BATCH and len(reserved) < EXPIRE_BATCH:
                 return
 
+    def _expire_retention(self) -> None:
+        """Apply retention deadlines that passed, in every tier (else read only when a
+        victim is chosen, and a store that evicts nothing would never show expiries), at
+        most EXPIRE_BATCH keys per tier and lock hold."""
+        policies = [self.index.policy, *(state.policy for state in self.tiers)]
+        more = True
+        while more:
+            with self._locked("expire_retention"):
+                for policy in policies:
+                    policy.expire(EXPIRE_BATCH)
+                more = any(policy.has_due for policy in policies)
+
     # ------------------------------------------------------------------ housekeeping
 
     def housekeeping(self) -> None:
         """What the server runs every half second (see :mod:`kvtier.store.housekeeping`)."""
         self.expire()
+        self._expire_retention()
         self._housekeeper.run()
         self._set_gauges()
 

@@ -167,3 +167,23 @@ def test_retention_is_seen_in_metrics(tmp_path: Path, make_store: MakeStore) -> 
     assert sample(store, "kvtier_retention_releases_total") == 1
     assert sample(store, "kvtier_retained_chunks", tier="arena", band="80-100") == 0
     assert sample(store, "kvtier_retained_chunks", tier="disk", band="0-34") == 1
+
+
+def test_expiries_show_in_metrics_without_any_eviction(tmp_path: Path,
+                                                       make_store: MakeStore) -> None:
+    """Scenario: a quiet store (nothing stored, nothing evicted) after a retention ended:
+    the housekeeping tick applies the deadlines, so the gauges and expiries are current."""
+    clock = Clock()
+    store = make_store(tmp_path, slots=8, disk_bytes=20 * CHUNK_BYTES, clock=clock)
+    kept = keys(3, "kept")
+    store_chunks(store, kept, priority=90, retain_s=30.0)
+    store.flush(5.0)
+    store.housekeeping()
+    assert sample(store, "kvtier_retained_chunks", tier="arena", band="80-100") == 3
+    clock.now += 31.0
+    store.housekeeping()
+    for tier in ("arena", "disk"):
+        assert sample(store, "kvtier_retained_chunks", tier=tier, band="80-100") == 0
+        assert sample(store, "kvtier_retained_chunks", tier=tier, band="35") == 3
+        assert sample(store, "kvtier_retention_expiries_total", tier=tier) == 3
+    store.check_integrity()
