@@ -30,8 +30,10 @@ from kvtier.config import ConfigStruct, parse
 from kvtier.errors import ConfigError
 from kvtier.policies.retention import MAX_RETAIN_S, MIN_PRIORITY
 
-MAX_RANGES = 64
-"""Token ranges one request may give: enough for a system prompt, tools and turns."""
+MAX_RANGES = 8
+"""Token ranges one request may give: enough for a system prompt, tools and turns. Each
+run of equal retention is one blocking round trip in vLLM's scheduler loop (at store and at
+finish), and ``n`` ranges make at most ``2n + 1`` runs: 17."""
 
 Priority = Annotated[int, Meta(ge=0, le=100)]
 Duration = Annotated[float, Meta(gt=0.0, le=MAX_RETAIN_S)]

@@ -195,6 +195,10 @@ class SetPriority(Op[CountReply], tag="set_priority"):
     keys: Keys
     priority: Priority
     retain_s: RetainS | None = None
+    keep_stronger: bool = False
+    """Leave a chunk held stronger (higher priority; equal, a later deadline) as it is:
+    what a request's finish sends, so that it never lowers what another set on a shared
+    prefix. Only a plain set (a release) lowers."""
 
 
 class Stats(Op[StatsReply], tag="stats"):

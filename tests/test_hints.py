@@ -53,7 +53,7 @@ def test_ranges_the_whole_prompt_and_decode_resolve_per_chunk() -> None:
     ({"ranges": [{"start": 10, "end": 10, "priority": 80}]}, r"end must be greater than start"),
     ({"ranges": [{"start": -1, "priority": 80}]}, r"ranges\[0\].start"),
     ({"ranges": [{"start": 0}]}, r"ranges\[0\].*priority"),
-    ({"ranges": [{"priority": 80}] * (MAX_RANGES + 1)}, r"retention.ranges: .*<= 64"),
+    ({"ranges": [{"priority": 80}] * (MAX_RANGES + 1)}, r"retention.ranges: .*<= 8"),
     ({"ranges": "all"}, r"retention.ranges"),
     ({"pin": True}, r"pin"),
     ("high", r"retention"),
@@ -92,3 +92,17 @@ def test_a_range_overlapping_a_chunk_partly_still_counts() -> None:
     hint = RetentionHint(ranges=(TokenRange(priority=90, start=250, end=260),))
     assert chunk_retentions(hint, 3, 256, 768, (35, None)) == [(90, None), (90, None),
                                                                (35, None)]
+
+
+def test_the_most_ranges_cost_at_most_17_store_calls() -> None:
+    """Each run of equal retention is a blocking round trip in vLLM's scheduler loop: the
+    worst hint allowed (every range apart from the others) makes 2 * 8 + 1 runs."""
+    assert MAX_RANGES == 8
+    ranges = [{"start": 2 * i * 16 + 16, "end": 2 * i * 16 + 32, "priority": 90}
+              for i in range(MAX_RANGES)]
+    hint = parse_retention({"priority": 50, "ranges": ranges})
+    assert hint is not None
+    retentions = chunk_retentions(hint, 40, 16, 40 * 16, (35, None))
+    assert len(runs(retentions)) == 2 * MAX_RANGES + 1
+    with pytest.raises(ConfigError, match=r"retention.ranges: .*<= 8"):
+        parse_retention({"ranges": [*ranges, {"start": 0, "end": 1, "priority": 1}]})

@@ -198,16 +198,18 @@ class EvictionPolicy(Generic[K]):
         """Keys whose priority falls back at a deadline."""
         return len(self._until)
 
-    def expire(self) -> int:
+    def expire(self, limit: int | None = None) -> int:
         """Move every key past its deadline to the default priority, soonest deadline
         first (a chain set together falls back tail first); returns how many. O(1) when
-        none is due."""
+        none is due. With ``limit``, stops once that many keys were looked at (a chain set
+        together is finished): :attr:`has_due` says whether more are due."""
         due = self._due
         if not due or due[0][0] > self.clock():
             return 0
-        now, moved = self.clock(), 0
-        while due and due[0][0] <= now:
+        now, moved, seen = self.clock(), 0, 0
+        while due and due[0][0] <= now and (limit is None or seen < limit):
             until, seq, keys = heapq.heappop(due)
+            seen += len(keys)
             self._due_keys -= len(keys)
             mark = (until, seq)
             for key in keys:
@@ -217,6 +219,11 @@ class EvictionPolicy(Generic[K]):
                     moved += 1
         self.expired += moved
         return moved
+
+    @property
+    def has_due(self) -> bool:
+        """Whether a deadline has passed that :meth:`expire` has not applied yet."""
+        return bool(self._due) and self._due[0][0] <= self.clock()
 
     def count_by_priority(self) -> dict[int, int]:
         """Tracked keys per priority, as of the last deadline applied (read-only: safe for

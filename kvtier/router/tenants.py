@@ -111,6 +111,7 @@ class Tenants:
         (or must be re-encoded). Raises :class:`BadRequest` for a salt or priority vLLM or the
         connector would not accept."""
         changed = _cap_priority(body, tenant.max_priority)
+        _check_release(tenant, body)
         if tenant.isolated:
             client_salt = body.get("cache_salt")
             check_salt(client_salt)
@@ -147,6 +148,17 @@ def _cap_priority(body: dict[str, Any], cap: int) -> bool:
             changed = _cap(token_range, "priority", cap,
                            f"{where}.ranges[{i}].priority") | changed
     return changed
+
+
+def _check_release(tenant: Tenant, body: dict[str, Any]) -> None:
+    """A release drops a prefix to priority 0 in every tier: only for a tenant whose cache is
+    its own (its salt), never for one that shares keys with others."""
+    params = body.get("kv_transfer_params")
+    options = params.get("kvtier") if isinstance(params, dict) else None
+    if isinstance(options, dict) and options.get("release") is True and not tenant.isolated:
+        raise BadRequest(f"kv_transfer_params.kvtier.release: tenant {tenant.name!r} shares "
+                         "its cache with others; only a tenant with its own cache salt may "
+                         "release a prefix")
 
 
 def _check_retention(options: dict[str, Any]) -> None:

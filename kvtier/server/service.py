@@ -180,7 +180,8 @@ class Service:
 
     @handles(SetPriority)
     def _set_priority(self, caller: Caller, request: SetPriority) -> Reply:
-        self.store.set_priority(request.keys, request.priority, request.retain_s)
+        self.store.set_priority(request.keys, request.priority, request.retain_s,
+                                keep_stronger=request.keep_stronger)
         return CountReply(len(request.keys))
 
     @handles(Stats)

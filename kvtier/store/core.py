@@ -385,17 +385,27 @@ class TieredStore:
         return True
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int,
-                     retain_s: float | None = None) -> None:
+                     retain_s: float | None = None, *, keep_stronger: bool = False) -> None:
         """Move the held chunks of ``keys`` (a prefix, head first) to ``priority`` in every
         tier, for ``retain_s`` seconds (``None``: until changed), tail first, so that the
-        chain still leaves tail first. A release is priority 0."""
+        chain still leaves tail first. A release is priority 0. With ``keep_stronger``, a
+        chunk held stronger in a tier (:func:`_lasting`) keeps what it has there."""
         check_keys(keys)
         retention = _retention(priority, retain_s)
         with self._locked("set_priority"):  # tail first: the chain keeps its order
             until = retention.until(self.clock())
-            self.index.set_priorities(keys, priority, until)
+            wanted = _lasting((priority, until))
+            held = keys
+            if keep_stronger:
+                held = [k for k in keys if (e := self.index.get(k)) is not None
+                        and _lasting(self.index.retention(e)) < wanted]
+            self.index.set_priorities(held, priority, until)
             for state in self.tiers:
-                state.set_priorities(keys, priority, until)
+                held = keys
+                if keep_stronger:
+                    held = [k for k in keys if (r := state.policy.retention(k)) is not None
+                            and _lasting(r) < wanted]
+                state.set_priorities(held, priority, until)
         if priority == MIN_PRIORITY:
             self.metrics.retention_releases.inc(len(keys))
         self._set_gauges()
@@ -497,11 +507,24 @@ class TieredStore:
             if len(records) < EXPIRE_BATCH and len(reserved) < EXPIRE_BATCH:
                 return
 
+    def _expire_retention(self) -> None:
+        """Apply retention deadlines that passed, in every tier (else read only when a
+        victim is chosen, and a store that evicts nothing would never show expiries), at
+        most EXPIRE_BATCH keys per tier and lock hold."""
+        policies = [self.index.policy, *(state.policy for state in self.tiers)]
+        more = True
+        while more:
+            with self._locked("expire_retention"):
+                for policy in policies:
+                    policy.expire(EXPIRE_BATCH)
+                more = any(policy.has_due for policy in policies)
+
     # ------------------------------------------------------------------ housekeeping
 
     def housekeeping(self) -> None:
         """What the server runs every half second (see :mod:`kvtier.store.housekeeping`)."""
         self.expire()
+        self._expire_retention()
         self._housekeeper.run()
         self._set_gauges()
 

@@ -231,11 +231,16 @@ class Simulator:
             self.now + duration)
 
     def _answered(self, request: Request) -> None:
-        """The store's ``set_priority`` once the request is answered: its whole prompt at
-        its retention (tail first), or released."""
-        priority, until = (MIN_PRIORITY, None) if request.end else (self.priority, self.until)
+        """The connector's ``set_priority`` once the request is answered (tail first): its
+        whole prompt released, or at its retention where that is stronger than what a block
+        holds (``keep_stronger``: another request's longer retention stays)."""
+        wanted = (MIN_PRIORITY, None) if request.end else (self.priority, self.until)
         for tier in self.tiers:
-            tier.books.set_priorities(request.blocks, priority, until)
+            policy = tier.books.policy
+            blocks = list(request.blocks) if request.end else [
+                b for b in request.blocks
+                if (held := policy.retention(b)) is not None and _lasting(held) < _lasting(wanted)]
+            tier.books.set_priorities(blocks, *wanted)
         self.priority, self.until = DEFAULT_PRIORITY, None
 
     def _servable(self, block: Hashable) -> str | None:

@@ -491,7 +491,8 @@ class SchedulerSide:
     def _retain_at_finish(self, st: ReqState) -> None:
         """What the request asked for its prefix once it is answered: a release drops it to
         priority 0; a retention (or priority) is set again, its durations counted from now
-        (the gap before the next turn). Runs from the tail, so the chain keeps its order."""
+        (the gap before the next turn), where it is stronger than what the chunk has (another
+        request's on a shared prefix stays). Runs from the tail, so the chain keeps its order."""
         options = st.info.options
         if not st.keys or (options.priority is None and options.retention is None
                            and not options.release):
@@ -500,7 +501,8 @@ class SchedulerSide:
             self.link.call(SetPriority(st.keys, RELEASED[0]), None)
             return
         for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st))):
-            self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s), None)
+            self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s,
+                                       keep_stronger=True), None)
 
 
 def _runs_outside(start: int, end: int, skip: set[int]) -> list[tuple[int, int]]:

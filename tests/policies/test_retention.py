@@ -118,6 +118,21 @@ def test_expiry_costs_the_deadlines_due_not_the_keys() -> None:
     assert clock.reads <= 2 and policy.expired == 1
 
 
+def test_a_bounded_expiry_moves_at_most_its_limit_per_call(name: str) -> None:
+    """The store's housekeeping applies deadlines under its lock a batch at a time."""
+    clock = Clock()
+    policy = policy_of(name, clock, capacity=8)
+    for i in range(6):
+        policy.insert(i)
+        policy.set_priority(i, 90, until=1.0 + i)
+    clock.now = 10.0
+    assert policy.has_due
+    assert policy.expire(limit=4) == 4 and policy.has_due
+    assert policy.expire(limit=4) == 2 and not policy.has_due
+    assert policy.count_by_priority() == {DEFAULT_PRIORITY: 6}
+    assert policy.expired == 6
+
+
 @pytest.mark.parametrize("bad", [0, 0.0, -1, -1e-9, math.nan, math.inf, -math.inf,
                                  MAX_RETAIN_S + 1, 10**400, True, "30", [30]])
 def test_bad_durations_are_refused_naming_what_is_allowed(bad: Any) -> None:

@@ -19,7 +19,7 @@ from stubs import EngineModel, completion, node, post, router_config, running_ro
 from kvtier.errors import ConfigError
 from kvtier.keys import chunk_keys
 from kvtier.router.lookup import NodeLookups
-from kvtier.router.tenants import Tenants, load_tenants
+from kvtier.router.tenants import Tenant, Tenants, load_tenants
 
 KEY_A = "alice-key-0123456789abcdef"
 KEY_B = "bob-key-fedcba9876543210"
@@ -164,6 +164,37 @@ def test_retention_priorities_are_capped_and_bad_retentions_refused(tmp_path: Pa
                 status, doc, _ = await post(s, url, asking(bad), auth(KEY_B))
                 assert status == 400 and key in doc["error"]["message"], bad
             assert len(backends[0].seen) == seen, "refused bodies never reach a backend"
+    asyncio.run(main())
+
+
+def test_a_release_never_reaches_another_tenants_prefix(tmp_path: Path) -> None:
+    """Scenario: Alice keeps a system prompt; Bob sends the same prompt with release. Bob's
+    release reaches the engine under Bob's salt only (it names none of Alice's chunks); a
+    tenant that shares its cache with others (no salt of its own) gets 400 naming the key."""
+    tenants = load_tenants(str(tenants_file(tmp_path)), None, None)
+    shared = Tenants({KEY_A: Tenant("shared", 50, isolated=False)})
+    release = {"kv_transfer_params": {"kvtier": {"release": True}}}
+
+    async def main() -> None:
+        async with stubs(1) as backends, running_router(router_config(
+                backends, tenants=tenants)) as router, aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            salts = []
+            for key in (KEY_A, KEY_B):
+                status, _doc, _ = await post(s, url, completion(**release), auth(key))
+                assert status == 200
+                sent = backends[0].seen[-1]["body"]
+                assert sent["kv_transfer_params"] == release["kv_transfer_params"]
+                salts.append(sent["cache_salt"])
+            assert salts[0] != salts[1]
+        async with stubs(1) as backends, running_router(router_config(
+                backends, tenants=shared)) as router, aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            status, doc, _ = await post(s, url, completion(**release), auth(KEY_A))
+            assert status == 400
+            assert "kv_transfer_params.kvtier.release" in doc["error"]["message"]
+            assert "own cache salt" in doc["error"]["message"]
+            assert backends[0].seen == []
     asyncio.run(main())
 
 

@@ -99,6 +99,31 @@ def test_a_release_drops_a_prefix_first_and_a_promotion_keeps_retention(
     store.check_integrity()
 
 
+def test_keep_stronger_never_lowers_and_a_release_does(tmp_path: Path,
+                                                      make_store: MakeStore) -> None:
+    """Scenario: requests finishing on one shared prefix, in the arena and on disk: a
+    shorter or lower retention leaves the stronger one; an equal priority with a later
+    deadline extends it; a plain set (a release) lowers."""
+    clock = Clock()
+    store = make_store(tmp_path, slots=4, disk_bytes=20 * CHUNK_BYTES, clock=clock)
+    chain = keys(2)
+    store_chunks(store, chain)
+    store.flush(5.0)
+    store.set_priority(chain, 80, 60.0, keep_stronger=True)
+    for priority, retain_s in ((80, 5.0), (50, None), (DEFAULT_PRIORITY, None)):
+        store.set_priority(chain, priority, retain_s, keep_stronger=True)
+        assert store.index.policy.retention(chain[0]) == (80, 1060.0)
+        assert store.tiers[0].policy.retention(chain[1]) == (80, 1060.0)
+    store.set_priority(chain, 80, 100.0, keep_stronger=True)
+    assert store.index.policy.retention(chain[1]) == (80, 1100.0)
+    store.set_priority(chain, 90, 1.0, keep_stronger=True)  # higher wins, however short
+    assert store.tiers[0].policy.retention(chain[0]) == (90, 1001.0)
+    store.set_priority(chain, 0)
+    assert store.index.policy.retention(chain[0]) == (0, None)
+    assert store.tiers[0].policy.retention(chain[1]) == (0, None)
+    store.check_integrity()
+
+
 @pytest.mark.parametrize("bad", [0, -5, math.nan, math.inf, 1e12, True])
 def test_bad_durations_are_refused_before_anything_changes(tmp_path: Path,
                                                            make_store: MakeStore,
@@ -142,3 +167,23 @@ def test_retention_is_seen_in_metrics(tmp_path: Path, make_store: MakeStore) -> 
     assert sample(store, "kvtier_retention_releases_total") == 1
     assert sample(store, "kvtier_retained_chunks", tier="arena", band="80-100") == 0
     assert sample(store, "kvtier_retained_chunks", tier="disk", band="0-34") == 1
+
+
+def test_expiries_show_in_metrics_without_any_eviction(tmp_path: Path,
+                                                       make_store: MakeStore) -> None:
+    """Scenario: a quiet store (nothing stored, nothing evicted) after a retention ended:
+    the housekeeping tick applies the deadlines, so the gauges and expiries are current."""
+    clock = Clock()
+    store = make_store(tmp_path, slots=8, disk_bytes=20 * CHUNK_BYTES, clock=clock)
+    kept = keys(3, "kept")
+    store_chunks(store, kept, priority=90, retain_s=30.0)
+    store.flush(5.0)
+    store.housekeeping()
+    assert sample(store, "kvtier_retained_chunks", tier="arena", band="80-100") == 3
+    clock.now += 31.0
+    store.housekeeping()
+    for tier in ("arena", "disk"):
+        assert sample(store, "kvtier_retained_chunks", tier=tier, band="80-100") == 0
+        assert sample(store, "kvtier_retained_chunks", tier=tier, band="35") == 3
+        assert sample(store, "kvtier_retention_expiries_total", tier=tier) == 3
+    store.check_integrity()

@@ -199,7 +199,7 @@ def store_request(store: TieredStore, request: Request) -> list[str]:
     if request.end:
         store.set_priority(keys, 0)
     elif request.retention is not None:
-        store.set_priority(keys, priority, retain_s)
+        store.set_priority(keys, priority, retain_s, keep_stronger=True)
     return served
 
 

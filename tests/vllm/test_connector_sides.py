@@ -275,8 +275,32 @@ def test_request_priority_reaches_the_stored_chunks(make_server: Any, engines: A
     keys = chunk_keys(engine.sched.ns.fingerprint, PROMPT, CHUNK)
     assert server.store is not None
     assert [server.store.entries[k].priority for k in keys] == [90, 90, 90]
-    stored_prompt(engine, priority=10)  # a later request lowers them: retention follows use
-    assert [server.store.entries[k].priority for k in keys] == [10, 10, 10]
+    stored_prompt(engine, priority=10)  # a later request of the shared prefix never lowers
+    assert [server.store.entries[k].priority for k in keys] == [90, 90, 90]
+    stored_prompt(engine, release=True)  # only a release does
+    assert [server.store.entries[k].priority for k in keys] == [0, 0, 0]
+
+
+def test_a_shorter_retention_leaves_a_longer_one_on_a_shared_prefix(
+        make_server: Any, engines: Any) -> None:
+    """Scenario: one request keeps a shared prefix at 80 for 60 s; another of the same
+    prefix asks 80 for 5 s, a third plain priority 20: the 60 s stay. A later, longer one
+    extends it."""
+    server = make_server(slots=16)
+    engine = engines(server)
+    stored_prompt(engine, retention=RetentionHint(priority=80, duration_s=60.0))
+    store = server.store
+    assert store is not None
+    keys = chunk_keys(engine.sched.ns.fingerprint, PROMPT, CHUNK)
+    first = [store.index.policy.retention(k) for k in keys]
+    assert {r[0] for r in first if r} == {80}
+    stored_prompt(engine, retention=RetentionHint(priority=80, duration_s=5.0))
+    stored_prompt(engine, priority=20)
+    assert [store.index.policy.retention(k) for k in keys] == first
+    stored_prompt(engine, retention=RetentionHint(priority=80, duration_s=120.0))
+    later = [store.index.policy.retention(k) for k in keys]
+    for a, b in zip(first, later, strict=True):
+        assert a and b and a[1] and b[1] and b[1] > a[1] + 50
 
 
 def test_a_request_retention_reaches_each_range_and_a_release_drops_it(
