@@ -39,34 +39,69 @@ class Exposed(Protocol):
     @property
     def auth(self) -> _Auth: ...
 
-WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+LOOPBACK_NAMES = frozenset({"localhost"})
+"""The one name trusted as loopback by name (``localhost.localdomain`` and the like are
+whatever /etc/hosts says today: they count as reachable from elsewhere)."""
+
+
+def _literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``host`` is (brackets allowed; an IPv4-mapped IPv6 address counts as
+    its IPv4 address), or None for a name."""
+    bare = host.strip()
+    if bare.startswith("[") and bare.endswith("]"):
+        bare = bare[1:-1]
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def is_wildcard(host: str) -> bool:
-    return host.strip() in WILDCARDS
+    """True for a bind on every address: empty, ``0.0.0.0``, ``::`` (and ``[::]``,
+    ``::ffff:0.0.0.0``)."""
+    if not host.strip():
+        return True
+    address = _literal(host)
+    return address is not None and address.is_unspecified
 
 
 def is_loopback(host: str) -> bool:
     """True for a loopback address (127.0.0.0/8, ::1) or the name ``localhost``; any other
     name counts as reachable from elsewhere (what it resolves to can change)."""
-    host = host.strip().strip("[]")
-    if host.lower() in LOOPBACK_NAMES:
+    if host.strip().lower() in LOOPBACK_NAMES:
         return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    address = _literal(host)
+    return address is not None and address.is_loopback
+
+
+def normal_host(host: str, key: str) -> str:
+    """``host`` as a bind and a URL take it: an IP address in its canonical form (IPv6
+    without brackets), ``""`` for every address, or a host name. ConfigError for anything
+    else, naming ``key``: a scheme, port or path, ``*``, or a number that the C library
+    would read as an address (``0``, ``0x0``, ``127.1``: write ``0.0.0.0``, ``127.0.0.1``)."""
+    bare = host.strip()
+    if not bare:
+        return ""
+    address = _literal(bare)
+    if address is not None:
+        return str(address)
+    check_host(bare, key)
+    last = bare.rstrip(".").rsplit(".", 1)[-1].lower()
+    if last.isdigit() or (last.startswith("0x") and all(
+            c in "0123456789abcdef" for c in last[2:])):
+        raise ConfigError(f"{key}: {host!r} is read as an IP address in a short or "
+                          "non-decimal form; write the address in full (e.g. 0.0.0.0, "
+                          "127.0.0.1, ::1)")
+    return bare
 
 
 def check_host(host: str, key: str) -> None:
     """A host name or IP address literal (no scheme, port or path)."""
-    bare = host.strip("[]")
-    try:
-        ipaddress.ip_address(bare)
+    if _literal(host) is not None:
         return
-    except ValueError:
-        pass
     labels = host.rstrip(".").split(".")
     if (not host or len(host) > 253 or any(
             not label or len(label) > 63 or not label.replace("-", "").isalnum()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, ge
 import msgspec
 import yaml
 
-from kvtier.address import advertised_host, check_host, is_wildcard
+from kvtier.address import advertised_host, normal_host
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -248,8 +248,11 @@ class ServerConfig(ConfigStruct, frozen=True):
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in [0, 65535] (0 picks a free port)")
         if self.metrics_port is not None:
-            if not is_wildcard(self.metrics_host):
-                check_host(self.metrics_host, "metrics_host")
+            msgspec.structs.force_setattr(
+                self, "metrics_host", normal_host(self.metrics_host, "metrics_host"))
+            if self.metrics_advertise_host is not None:
+                msgspec.structs.force_setattr(self, "metrics_advertise_host", normal_host(
+                    self.metrics_advertise_host, "metrics_advertise_host"))
             advertised_host(self)
         names = [tier.name for tier in self.tiers]
         if len(set(names)) != len(names):

@@ -120,7 +120,8 @@ class BackendPool:
 
     def update(self, specs: Sequence[BackendSpec]) -> Change:
         """Make the members exactly ``specs`` (URLs unique): newcomers join (out until their
-        first health check), members not listed leave, a leaving one listed again rejoins."""
+        first health check), members not listed leave, a leaving one listed again rejoins
+        (out, too, until its next health check)."""
         wanted = {spec.url: spec for spec in specs}
         left = tuple(b for b in self.backends if b.url not in wanted)
         for backend in left:
@@ -133,6 +134,8 @@ class BackendPool:
             if member is None:
                 back = self.leaving.pop(spec.url, None)
                 member = back if back is not None else self._new(spec.url, spec.node_url)
+                if back is not None:  # what it said while leaving was not heeded: stale
+                    back.healthy, back.reason = False, "rejoined: out until its next check"
                 member.membership = Membership.MEMBER
                 self.backends.append(member)
                 joined.append(member)

@@ -136,8 +136,12 @@ class MemberWatch:
 
     def gone(self, backend: Backend) -> None:
         self.history.forget(backend.index)
-        self.metrics.forget_backend(backend.name, redact_url(backend.node_url)
-                                    if backend.node_url else None)
+        node = backend.node_url
+        shared = node is not None and any(
+            b.node_url == node for b in [*self.pool, *self.pool.leaving.values()]
+            if b is not backend)
+        self.metrics.forget_backend(backend.name, redact_url(node)
+                                    if node and not shared else None)
         self._keep_nodes()
 
     def _keep_nodes(self) -> None:

@@ -156,8 +156,8 @@ class HealthMonitor:
                         self._too_large(url)
                         return None
             return json.loads(raw)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            return None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, RecursionError):
+            return None  # RecursionError: JSON nested deeper than the parser goes
 
 
 async def _capped_text(resp: aiohttp.ClientResponse, limit: int) -> str:

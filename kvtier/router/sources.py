@@ -12,15 +12,20 @@ NAME, resolved off the event loop and given up after ``timeout_s`` (a file's rea
 
 A file (bare metal, Slurm) holds one backend per line (``#`` starts a comment; an optional
 second column is its node server's URL), or a YAML/JSON list of URLs or of ``{url, node}``
-mappings. A file that is missing, empty (a writer caught half-way), over :data:`MAX_FILE_BYTES`,
+mappings. A file that is missing, not a regular file (a FIFO), empty (a writer caught
+half-way), over :data:`MAX_FILE_BYTES`, nested deeper than a list of mappings,
 or wrong anywhere fails whole. A file with only comments means: no backends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
+import os
 import socket
+import stat
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +93,33 @@ class OneAtATime(Generic[T]):
             self._pending.cancel()
 
 
+def in_daemon_thread(call: Callable[[], T]) -> Awaitable[T]:
+    """``call()`` in a daemon thread of its own, awaited. Unlike ``asyncio.to_thread`` (the
+    loop's default executor, joined when the loop closes) a call that never returns (a hung
+    mount or resolver) cannot keep the router from exiting."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: T | None, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)  # type: ignore[arg-type]
+
+    def work() -> None:
+        try:
+            value, exc = call(), None
+        except BaseException as caught:  # handed to the awaiting task
+            value, exc = None, caught
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle, value, exc)
+
+    threading.Thread(target=work, name="kvtier-source", daemon=True).start()
+    return future
+
+
 def _retrieved(future: asyncio.Future[Any]) -> None:
     """A call given up on may fail later: its exception is read here (the poll that
     waited for it has already said why it failed)."""
@@ -106,7 +138,8 @@ def check_url(raw: str, what: str) -> str:
     """An ``http(s)://HOST[:PORT]`` base URL, without credentials, query or fragment; the
     normalised form (no trailing slash). ConfigError names ``what`` and the problem."""
     if not isinstance(raw, str) or not raw.strip() or len(raw) > 2048:
-        raise ConfigError(f"{what}: expected an http(s)://HOST:PORT URL, got {raw!r:.80}")
+        shown = redact_url(raw) if isinstance(raw, str) else raw
+        raise ConfigError(f"{what}: expected an http(s)://HOST:PORT URL, got {shown!r:.80}")
     try:
         parts = urlsplit(raw.strip())
         port = parts.port
@@ -162,8 +195,8 @@ class DnsName:
 
 async def system_resolve(host: str, port: int) -> Sequence[str]:
     """The system resolver (getaddrinfo: /etc/hosts, cluster DNS), in a worker thread."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos = await in_daemon_thread(
+        lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
     return [str(info[4][0]) for info in infos]
 
 
@@ -197,15 +230,22 @@ class DnsSource:
 
 
 def _addresses(raw: Sequence[str]) -> list[str]:
-    """Unique unicast addresses, sorted (a stable order whatever the resolver's); an IPv6
-    zone (``fe80::1%eth0``) is dropped with its address."""
+    """Unique unicast addresses, sorted (a stable order whatever the resolver's). An
+    IPv4-mapped IPv6 address counts as its IPv4 address; an address with an IPv6 zone
+    (``fe80::1%eth0``) and a link-local one (``169.254.169.254``, a cloud's metadata
+    endpoint, would be sent the backend key and node token) are dropped."""
     out: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
     for item in raw:
         try:
             address = ipaddress.ip_address(str(item))
         except ValueError:
             continue
-        if address.is_unspecified or address.is_multicast or (
+        if isinstance(address, ipaddress.IPv6Address):
+            if address.scope_id is not None:
+                continue
+            if address.ipv4_mapped is not None:
+                address = address.ipv4_mapped
+        if address.is_unspecified or address.is_multicast or address.is_link_local or (
                 isinstance(address, ipaddress.IPv4Address)
                 and address == ipaddress.IPv4Address("255.255.255.255")):
             continue
@@ -228,7 +268,7 @@ class FileSource:
         self._calls.close()
 
     async def found(self) -> Found:
-        text = await self._calls.run(lambda: asyncio.to_thread(self._read))
+        text = await self._calls.run(lambda: in_daemon_thread(self._read))
         try:
             specs = parse_backends(text, "", self.node_port)
         except ConfigError as exc:
@@ -236,11 +276,21 @@ class FileSource:
         return _bounded(specs, self.max_backends)
 
     def _read(self) -> str:
+        """The file's text; opened without blocking (a FIFO or device named here would
+        block ``open()``) and refused unless it is a regular file."""
         try:
-            with open(self.path, "rb") as f:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SourceFailed(f"cannot read it: {exc.strerror or exc}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SourceFailed("not a regular file")
+            with os.fdopen(fd, "rb", closefd=False) as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
             raise SourceFailed(f"cannot read it: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
         if len(raw) > MAX_FILE_BYTES:
             raise SourceFailed(f"over {MAX_FILE_BYTES} bytes")
         try:
@@ -288,6 +338,11 @@ def _structured(text: str, where: str, node_port: int | None) -> list[BackendSpe
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(_at(where, f"not YAML/JSON: {exc}")) from None
+    except RecursionError:
+        raise ConfigError(_at(where, "nested too deeply (expected a flat list of URLs or "
+                                     "{url, node} mappings)")) from None
+    except Exception as exc:  # any parser failure is the file's fault
+        raise ConfigError(_at(where, f"not YAML/JSON: {type(exc).__name__}: {exc}")) from None
     if not isinstance(doc, list):
         raise ConfigError(_at(where, "expected a list of URLs or {url, node} mappings"))
     return [_item(item, f"{where}[{i}]" if where else f"item {i}", node_port)

@@ -1,5 +1,5 @@
-"""redis-server on loopback (or the one address ``host``): no persistence, optional password
-and memory limit.
+"""redis-server on loopback (or the one address ``host``, with a password): no persistence,
+optional password and memory limit.
 
 Its settings go in a config file (mode 0600) in the working folder, so a password never shows
 on a command line or in ``ps``. Nothing is saved: a stop loses every key, which is what a Redis
@@ -8,6 +8,7 @@ restart without persistence does to a cache tier.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -40,6 +41,10 @@ class RedisServer(Service):
                  die_with_parent: bool = True) -> None:
         _check(password, maxmemory, maxmemory_policy, extra_config or {})
         self.host = check_host(host)  # before a working folder is made
+        if not password and not ipaddress.IPv4Address(self.host).is_loopback:
+            raise ConfigError(f"password: Redis on {self.host} (not loopback) would answer "
+                              "anyone who reaches it (protected-mode does nothing with an "
+                              "explicit bind); give a password, or bind 127.0.0.1")
         super().__init__(workdir=workdir, start_timeout_s=start_timeout_s,
                          stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
         self._fixed_port = port is not None

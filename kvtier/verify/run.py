@@ -161,7 +161,8 @@ class Verification:
         return ok
 
     def send(self, suffix: str, user: str | None = None, *, url: str | None = None) -> Sent:
-        """The prefix with ``suffix``, to the entry point (or to ``url``, an instance)."""
+        """The prefix with ``suffix``, to the entry point (or to ``url``, an instance: the
+        entry point's API key is not sent there, it is the router's tenants' secret)."""
         prompt = f"{self.prefix}\n{suffix}"
         body: dict[str, Any] = {"model": self.model, "max_tokens": self.o.max_tokens,
                                 "temperature": 0.0}
@@ -176,7 +177,7 @@ class Verification:
         before = Snapshot.take(self.views)
         start = time.perf_counter()
         response = post_json(f"{url or self.o.url}{path}", body, timeout_s=self.o.timeout_s,
-                             headers=self.headers)
+                             headers=self.headers if url is None else {})
         seconds = time.perf_counter() - start
         time.sleep(0.2)  # counters settle (vLLM's /metrics lags a request by a moment)
         after = Snapshot.take(self.views)

@@ -68,11 +68,13 @@ class _Backend:
         self.url = url
 
 
-def router_models(count: int) -> tuple[list[str], int]:
+def router_models(count: int, page: bytes | None = None) -> tuple[list[str], int]:
     """What the router's /v1/models lists, and how many namespaces it kept, for a backend
-    listing ``count`` models."""
+    listing ``count`` models (or answering ``page``)."""
+    answer = models_page(count) if page is None else page
+
     async def main() -> tuple[list[str], int]:
-        async with hostile(models_page(count)) as url, running_router(router_config(
+        async with hostile(answer) as url, running_router(router_config(
                 [_Backend(url)], kvtier_servers=[url])) as router, \
                 aiohttp.ClientSession() as s:  # type: ignore[list-item]
             await asyncio.sleep(1.5)  # health rounds
@@ -93,3 +95,10 @@ def test_a_page_of_models_over_the_cap_counts_as_none() -> None:
 def test_a_long_list_of_models_is_cut() -> None:
     models, _ = router_models(5_000)
     assert len(models) == MAX_MODELS
+
+
+def test_a_page_nested_deeper_than_the_parser_goes_counts_as_none() -> None:
+    """``[[[[...`` under the size cap: json.loads raises RecursionError, which is no answer,
+    not a health check that dies."""
+    models, _ = router_models(0, b"[" * 200_000)
+    assert models == []

@@ -163,33 +163,82 @@ def test_the_system_resolver_reads_the_hosts_file() -> None:
     assert BackendSpec("http://127.0.0.1:8123", "http://127.0.0.1:8124") in found.backends
 
 
-def test_a_file_read_that_hangs_is_given_up_and_not_piled_up(tmp_path: Path) -> None:
-    """A FIFO nobody writes: opening it blocks, as a read on a hung network mount does."""
+def test_a_fifo_as_the_backends_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO nobody writes: ``open()`` would block for ever (and a blocked read in the loop's
+    default executor keeps the router from exiting); it is refused as not a regular file."""
     import os
-    import threading
 
     path = tmp_path / "backends"
     os.mkfifo(path)
-    before = threading.active_count()
+    source = FileSource(path, None, 8, timeout_s=2.0)
+    with pytest.raises(SourceFailed, match="not a regular file"):
+        asyncio.run(asyncio.wait_for(source.found(), 1.0))
 
-    async def main() -> None:
-        source = FileSource(path, None, 8, timeout_s=0.1)
-        for _ in range(4):
+
+def test_a_file_read_that_hangs_is_given_up_and_not_piled_up(tmp_path: Path) -> None:
+    """A read that blocks, as one on a hung network mount does (a fake: ``_read`` waits on an
+    event). It is given up, not started again while it is out, and does not keep the loop
+    from closing: its daemon thread is not joined."""
+    import threading
+    import time
+
+    release = threading.Event()
+    starts = 0
+
+    class HungMount(FileSource):
+        def _read(self) -> str:
+            nonlocal starts
+            starts += 1
+            release.wait(30)
+            return "http://10.0.0.1:8000\n"
+
+    source = HungMount(tmp_path / "backends", None, 8, timeout_s=0.1)
+
+    async def rounds(n: int) -> None:
+        for _ in range(n):
             with pytest.raises(SourceFailed, match=r"no answer within 0\.1 s"):
                 await source.found()
-        assert threading.active_count() <= before + 1, "one blocked read, not one a round"
-        fd = os.open(path, os.O_WRONLY)  # the read ends: the writer says one backend
-        os.write(fd, b"http://10.0.0.1:8000\n")
-        os.close(fd)
-        deadline = asyncio.get_running_loop().time() + 5
-        while True:
-            try:
-                found = await source.found()
-                break
-            except SourceFailed:
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.05)
+
+    began = time.monotonic()
+    asyncio.run(rounds(4))
+    assert time.monotonic() - began < 5, "closing the loop waited for the hung read"
+    assert starts == 1, "one blocked read, not one a round"
+
+    async def after_release() -> None:
+        source._calls = type(source._calls)(2.0)  # a new loop: a fresh call
+        release.set()
+        found = await source.found()
         assert [b.url for b in found.backends] == ["http://10.0.0.1:8000"]
         source.close()
 
-    asyncio.run(main())
+    asyncio.run(after_release())
+
+
+@pytest.mark.parametrize("text", ["[" * 200000, "- " * 100000])
+def test_a_deeply_nested_file_is_refused_not_a_recursion_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        parse_backends(text, "f", None)
+
+
+def test_a_deeply_nested_file_fails_the_source(tmp_path: Path) -> None:
+    path = tmp_path / "backends"
+    path.write_text("[" * 200000)
+    with pytest.raises(SourceFailed, match="nested too deeply"):
+        asyncio.run(FileSource(path, None, 8).found())
+
+
+def test_dns_answers_drop_zoned_and_link_local_and_map_ipv4() -> None:
+    _asked, resolve = fixed([["fe80::1%eth0", "::ffff:10.0.0.1", "10.0.0.1", "fe80::2",
+                              "169.254.169.254", "10.0.0.2"]])
+    source = DnsSource(DnsName.parse("http://vllm:8000"), None, max_backends=8,
+                       timeout_s=1.0, resolve=resolve)  # type: ignore[arg-type]
+    found = asyncio.run(source.found())
+    assert [b.url for b in found.backends] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+def test_a_long_bad_url_does_not_show_its_credentials() -> None:
+    from kvtier.router.sources import check_url
+
+    with pytest.raises(ConfigError) as caught:
+        check_url("http://user:hunter2@h:1/" + "x" * 3000, "--backend")
+    assert "hunter2" not in str(caught.value)

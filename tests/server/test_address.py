@@ -31,7 +31,8 @@ def test_loopback_addresses_are_loopback(host: str) -> None:
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "192.168.1.2", "node-1",
-                                  "node-1.cluster.local", "fe80::1"])
+                                  "node-1.cluster.local", "fe80::1",
+                                  "localhost.localdomain", "ip6-localhost"])
 def test_anything_else_counts_as_reachable_from_other_hosts(host: str) -> None:
     assert not is_loopback(host)
 
@@ -50,6 +51,34 @@ def test_a_wildcard_bind_needs_an_advertised_host(tmp_path: Path) -> None:
     assert advertised_host(config(tmp_path, metrics_host="10.1.2.3")) == "10.1.2.3"
     # without an HTTP API nothing is bound, so nothing needs advertising
     assert server_config(tmp_path, metrics_host="0.0.0.0").metrics_port is None
+
+
+@pytest.mark.parametrize(("given", "bound"), [
+    ("[::1]", "::1"), ("[::]", "::"), ("::ffff:0.0.0.0", "0.0.0.0"), (" 10.0.0.5 ", "10.0.0.5"),
+    ("node-1", "node-1")])
+def test_hosts_are_normalised_once_for_the_bind(tmp_path: Path, given: str, bound: str) -> None:
+    extra = {"metrics_advertise_host": "10.0.0.5"}
+    made = config(tmp_path, metrics_host=given, **extra)
+    assert made.metrics_host == bound
+
+
+@pytest.mark.parametrize("host", ["::ffff:0.0.0.0", "[::]", ""])
+def test_every_spelling_of_a_wildcard_needs_an_advertised_host(
+        tmp_path: Path, host: str) -> None:
+    with pytest.raises(ConfigError, match="metrics_advertise_host"):
+        config(tmp_path, metrics_host=host)
+
+
+@pytest.mark.parametrize(("host", "why"), [
+    ("0", "short or non-decimal"), ("0x0", "short or non-decimal"),
+    ("127.1", "short or non-decimal"), ("*", "expected a host name"),
+    ("[::1]:80", "expected a host name")])
+def test_hosts_the_c_library_reads_differently_are_refused(
+        tmp_path: Path, host: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=f"metrics_host: .*{why}"):
+        config(tmp_path, metrics_host=host, metrics_advertise_host="10.0.0.5")
+    with pytest.raises(ConfigError, match=f"metrics_advertise_host: .*{why}"):
+        config(tmp_path, metrics_host="0.0.0.0", metrics_advertise_host=host)
 
 
 def test_beyond_loopback_without_a_token_is_refused_before_anything_binds(

@@ -167,3 +167,14 @@ def test_a_service_binds_one_address_never_a_wildcard(host: str) -> None:
     for make in (RedisServer, SeaweedFS):
         with pytest.raises(ConfigError, match="host"):
             make(host=host)
+
+
+def test_redis_beyond_loopback_needs_a_password() -> None:
+    with pytest.raises(ConfigError, match=r"password: Redis on 10\.0\.0\.5 .*give a password"):
+        RedisServer(host="10.0.0.5")
+    server = RedisServer(host="10.0.0.5", password="s3cret-pw")  # refused only without one
+    try:
+        assert server.host == "10.0.0.5"
+    finally:
+        server.close()
+    RedisServer(host="127.0.0.2").close()  # loopback: no password needed

@@ -159,6 +159,22 @@ def test_the_api_key_comes_from_the_environment_or_a_file_and_is_never_printed(
         entry.close()
 
 
+def test_a_request_to_an_instance_directly_carries_no_entry_point_key() -> None:
+    from kvtier.httpjson import HttpError
+
+    entry, instance = _KeyCheckingEntry(), _KeyCheckingEntry()
+    try:
+        v = Verification(VerifyOptions(url=entry.url, api_key=SECRET), say=lambda _: None)
+        with pytest.raises(HttpError):
+            v.send("to the entry point")
+        with pytest.raises(HttpError):
+            v.send("to an instance", url=instance.url)
+    finally:
+        entry.close()
+        instance.close()
+    assert entry.seen == [f"Bearer {SECRET}"] and instance.seen == [""]
+
+
 class _Scripted(Verification):
     """Step 5's logic on scripted answers: ``send`` returns the next prepared request (the
     HTTP path is covered by the tests above and the vLLM end-to-end test)."""
