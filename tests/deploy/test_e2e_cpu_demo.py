@@ -77,8 +77,11 @@ def test_cpu_demo_pod_runs_here(tmp_path: Path) -> None:
     config = root / "etc" / "kvtier" / "server.yaml"
     config.write_text(config.read_text().replace("/var/cache/kvtier", str(root / "var/cache")))
 
-    built = subprocess.run(localize(init.command_line(), init, root), env=_env(init, root),
-                           capture_output=True, text=True, timeout=600, check=False)
+    build = localize(init.command_line(), init, root)
+    assert build[0] == "python", build
+    build[0] = sys.executable  # the image's python is the one kvtier is installed in
+    built = subprocess.run(build, env=_env(init, root), capture_output=True, text=True,
+                           timeout=600, check=False)
     assert built.returncode == 0, built.stderr[-3000:]
 
     ports = {"http": _free_port(), "kvtier": _free_port()}

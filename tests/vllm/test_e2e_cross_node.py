@@ -45,9 +45,9 @@ def engines(demo_model: str, nodes: tuple[ServerProcess, ...]) -> Iterator[tuple
     e2e.close_llm(b)
 
 
-def fs_tier(path: Path) -> dict[str, Any]:
+def fs_tier(path: Path, **options: Any) -> dict[str, Any]:
     return {"type": "fs", "name": "shared", "capacity_bytes": 1 << 30, "io_threads": 2,
-            "options": {"path": str(path), **SHARING}}
+            "options": {"path": str(path), **SHARING, **options}}
 
 
 def shared_tier(backend: str, request: pytest.FixtureRequest, tmp_path: Path
@@ -57,9 +57,10 @@ def shared_tier(backend: str, request: pytest.FixtureRequest, tmp_path: Path
         tier = fs_tier(tmp_path / "shared")
         return tier, tier
     if backend == "fuse":
+        # Mounted at two paths: one tier_id tells both that it is one tier (docs/shared.md).
         make_mount = request.getfixturevalue("make_seaweed_mount")
-        return (fs_tier(Path(make_mount().path) / "kvtier"),
-                fs_tier(Path(make_mount().path) / "kvtier"))
+        return (fs_tier(Path(make_mount().path) / "kvtier", tier_id="e2e-fuse"),
+                fs_tier(Path(make_mount().path) / "kvtier", tier_id="e2e-fuse"))
     if backend == "s3":
         from tiers.s3_helpers import key_file
 
