@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,8 +21,6 @@ import pytest
 from store_helpers import (
     CHUNK_BYTES,
     NS,
-    SLOT_BYTES,
-    arena_name,
     expected,
     keys,
     load,
@@ -35,11 +32,10 @@ from store_helpers import (
 
 from kvtier.admin import _journal as admin_journal
 from kvtier.auth import Keyring, NoteRefusal, Why
-from kvtier.config import ServerConfig
-from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore, journal
 from kvtier.store.sweeper import SERVERS, sweeper_of
 from kvtier.tiers.shared import SharedTier
+from store.test_untrusted import listed, open_store, tier_of
 
 FAST = {"journal_interval_s": 0.05, "poll_s": 0.1, "sweep_interval_s": 0.3,
         "journal_keep_s": 5.0}
@@ -90,35 +86,13 @@ def servers(tiers: Tiers, tmp_path: Path) -> Iterator[Servers]:
         backend = tiers(which)
         tier = {**backend, "name": "shared", "capacity_bytes": capacity, "io_threads": 2,
                 "io_timeout_s": 30.0, "options": {**backend["options"], **FAST, **options}}
-        env = f"KVTIER_TEST_SCOPE_{name.upper()}"
-        config = ServerConfig.from_dict({
-            "socket_path": str(tmp_path / f"{name}.sock"),
-            "arena": {"size_bytes": 8 * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
-                      "free_target": 0.0},
-            "tiers": [tier], "orphan_grace_s": 0.0, "auth": {"shared_secret_env": env}})
-        os.environ[env] = ",".join(s.decode() for s in secrets)
-        try:
-            store = TieredStore(config, arena_name=arena_name(),
-                                instance=name.encode().hex().ljust(16, "0"))
-        finally:
-            del os.environ[env]
+        store = open_store(tmp_path, name, tier, secrets)
         made.append(store)
-        store.rebuild()
         return store
 
     yield make
     for store in made:
         store.close(drain_s=5)
-
-
-def tier_of(store: TieredStore) -> SharedTier:
-    tier = store.tiers[0].tier
-    assert isinstance(tier, SharedTier)
-    return tier
-
-
-def listed(store: TieredStore) -> set[ChunkKey]:
-    return {c.key for c in tier_of(store).scan()}
 
 
 def rejected(store: TieredStore, what: str) -> int:

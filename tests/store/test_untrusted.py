@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,26 +92,34 @@ def servers(backend: dict[str, Any], tmp_path: Path) -> Iterator[Servers]:
         tier = {**backend, "name": "shared", "capacity_bytes": capacity, "io_threads": 2,
                 "io_timeout_s": io_timeout_s,
                 "options": {**backend["options"], **FAST, **options}}
-        env = f"KVTIER_TEST_SECRET_{name.upper()}"
-        config = ServerConfig.from_dict({
-            "socket_path": str(tmp_path / f"{name}.sock"),
-            "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
-                      "free_target": 0.0},
-            "tiers": [tier], "orphan_grace_s": 0.0,
-            "auth": {"shared_secret_env": env}})
-        os.environ[env] = ",".join(s.decode() for s in secrets or [])
-        try:
-            store = TieredStore(config, arena_name=arena_name(),
-                                instance=name.encode().hex().ljust(16, "0"))
-        finally:
-            del os.environ[env]
+        store = open_store(tmp_path, name, tier, secrets or [], slots=slots)
         made.append(store)
-        store.rebuild()
         return store
 
     yield make
     for store in made:
         store.close(drain_s=5)
+
+
+def open_store(tmp_path: Path, name: str, tier: dict[str, Any], secrets: Sequence[bytes], *,
+               slots: int = 8) -> TieredStore:
+    """A store named ``name`` on ``tier`` holding ``secrets`` (from an environment variable of
+    its own, gone once the store has read it), rebuilt from the tier."""
+    env = f"KVTIER_TEST_SECRET_{name.upper()}"
+    config = ServerConfig.from_dict({
+        "socket_path": str(tmp_path / f"{name}.sock"),
+        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+                  "free_target": 0.0},
+        "tiers": [tier], "orphan_grace_s": 0.0,
+        "auth": {"shared_secret_env": env}})
+    os.environ[env] = ",".join(s.decode() for s in secrets)
+    try:
+        store = TieredStore(config, arena_name=arena_name(),
+                            instance=name.encode().hex().ljust(16, "0"))
+    finally:
+        del os.environ[env]
+    store.rebuild()
+    return store
 
 
 def tier_of(store: TieredStore) -> SharedTier:
