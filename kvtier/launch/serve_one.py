@@ -68,9 +68,9 @@ def _wait_ports(plan: ServePlan) -> None:
     if plan.server is not None and plan.server.metrics_port:
         wait_bindable(plan.server.metrics_port, "the node server's HTTP API",
                       plan.server.metrics_host)
-    vllm_port = urlsplit(plan.base_url).port
-    if vllm_port:
-        wait_bindable(vllm_port, "vLLM's API server")
+    where = urlsplit(plan.base_url)
+    if where.port:  # on the address vLLM binds (loopback when it listens everywhere)
+        wait_bindable(where.port, "vLLM's API server", where.hostname or "127.0.0.1")
 
 
 def _open_log(path: Path | None) -> IO[str] | None:

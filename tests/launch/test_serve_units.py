@@ -100,3 +100,22 @@ def test_size_flags_replace_the_server_config_sizes(tmp_path: Path) -> None:
     config.write_text("arena: {size_bytes: 32MiB}\n")
     with pytest.raises(ConfigError, match=r"--disk-size: .* has 0 disk tiers"):
         plan("--disk-size", "2GiB")
+
+
+def test_a_port_taken_on_vllms_own_address_is_found_before_vllm_starts() -> None:
+    """``kvtier serve --host ADDR``: the port is checked on ADDR, where vLLM will bind (a
+    server listening on 127.0.0.2 leaves 127.0.0.1's port bindable)."""
+    import socket
+
+    from kvtier.launch.plan import ServePlan
+    from kvtier.launch.serve_one import _wait_ports
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.2", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        plan = ServePlan(cmd=[], server=None, base_url=f"http://127.0.0.2:{port}")
+        with pytest.raises(ConfigError, match=rf"port {port} \(vLLM's API server\) is in use "
+                                              r"on 127\.0\.0\.2"):
+            _wait_ports(plan)
+        _wait_ports(ServePlan(cmd=[], server=None, base_url=f"http://127.0.0.1:{port}"))
