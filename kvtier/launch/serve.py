@@ -273,9 +273,9 @@ def _auth(server: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_exposure(server: ServerConfig) -> None:
     """A node API bound beyond loopback without a token fails here, before vLLM starts."""
-    from kvtier.server.node import http_token
+    from kvtier.server.node import http_tokens
 
-    check_exposure(server, http_token(server) is not None)
+    check_exposure(server, bool(http_tokens(server)))
 
 
 def _given(argv: Sequence[str], flag: str) -> bool:

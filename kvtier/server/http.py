@@ -41,7 +41,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -189,14 +189,15 @@ class _BoundedServer(ThreadingHTTPServer):
 
 class NodeHTTP:
     def __init__(self, service: Service, host: str, port: int, *, deadline_s: float = 10.0,
-                 max_connections: int = MAX_CONNECTIONS, token: bytes | None = None,
+                 max_connections: int = MAX_CONNECTIONS, tokens: Sequence[bytes] = (),
                  metrics_need_token: bool = False) -> None:
         """``deadline_s``: how long a request (headers and body) may take to arrive whole,
         from the connection's opening or its previous answer; also how long an answer may
-        take to be sent. ``token``: the bearer token asked of :data:`PROTECTED` paths (and
-        ``/metrics`` with ``metrics_need_token``); None: they answer anyone."""
+        take to be sent. ``tokens``: the bearer tokens :data:`PROTECTED` paths accept (and
+        ``/metrics`` with ``metrics_need_token``), several while one is rotated; none: they
+        answer anyone."""
         self.service = service
-        self._token = token
+        self._tokens = tuple(tokens)
         self.protected = PROTECTED | ({"/metrics"} if metrics_need_token else set())
         handler = type("Handler", (_Handler,), {"node": self, "deadline_s": deadline_s})
         self.server = _BoundedServer((host, port), handler, max_connections)
@@ -207,11 +208,11 @@ class NodeHTTP:
                                         name="kvtier-http")
 
     def __repr__(self) -> str:  # never the token
-        return f"NodeHTTP(port={self.port}, token={'set' if self._token else 'none'})"
+        return f"NodeHTTP(port={self.port}, tokens={len(self._tokens)})"
 
     @property
     def needs_token(self) -> bool:
-        return self._token is not None
+        return bool(self._tokens)
 
     def start(self) -> NodeHTTP:
         self._thread.start()
@@ -226,11 +227,13 @@ class NodeHTTP:
 
     def refusal(self, path: str, authorization: str | None) -> tuple[int, str, bytes] | None:
         """401 for a protected path without the right token; None: go on."""
-        if self._token is None or path not in self.protected:
+        if not self._tokens or path not in self.protected:
             return None
         scheme, _, given = (authorization or "").strip().partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                              self._token):
+        offered = given.strip().encode()
+        # every listed token is compared, so the time taken says nothing of which one matched
+        matches = [hmac.compare_digest(offered, token) for token in self._tokens]
+        if scheme.lower() == "bearer" and any(matches):
             return None
         why = "a wrong bearer token" if authorization else "no Authorization header"
         return _json({"error": f"{path} needs 'Authorization: Bearer <token>' (the node "

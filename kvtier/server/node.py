@@ -71,8 +71,8 @@ class NodeServer:
 
     def start(self) -> NodeServer:
         """Bind, build the store, index lower tiers and start serving in threads."""
-        token = http_token(self.config)  # a bad token source or exposure fails first
-        check_exposure(self.config, token is not None)
+        tokens = http_tokens(self.config)  # a bad token source or exposure fails first
+        check_exposure(self.config, bool(tokens))
         self._listener = self._bind()
         for name in arena.sweep_stale():
             log.warning("removed arena %s left by a server that died", name)
@@ -83,7 +83,7 @@ class NodeServer:
             self.service = Service(self.store, self.config.access_log,
                                    self.config.max_report_series)
             self.sessions = Sessions(self.store, self.config.orphan_grace_s)
-            self._start_metrics(token)
+            self._start_metrics(tokens)
         except BaseException:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
@@ -282,14 +282,14 @@ class NodeServer:
             except Exception:  # keep the server alive; the next round retries
                 log.exception("housekeeping failed")
 
-    def _start_metrics(self, token: bytes | None) -> None:
+    def _start_metrics(self, tokens: list[bytes]) -> None:
         if self.config.metrics_port is None:
             return
         assert self.service is not None
         auth = self.config.auth
         advertised = advertised_host(self.config)
         self._http = NodeHTTP(self.service, self.config.metrics_host, self.config.metrics_port,
-                              deadline_s=max(self.config.frame_timeout_s, 1.0), token=token,
+                              deadline_s=max(self.config.frame_timeout_s, 1.0), tokens=tokens,
                               metrics_need_token=auth.metrics_need_token)
         self.metrics_port = self._http.port
         self.http_url = self._http.url = address.url(advertised, self.metrics_port)
@@ -298,7 +298,7 @@ class NodeServer:
         log.info("metrics and lookups bound on %s port %d, advertised as %s "
                  "(/metrics, /v1/lookup); %s",
                  self.config.metrics_host, self.metrics_port, self.http_url,
-                 f"{guarded} need the bearer token" if token else
+                 f"{guarded} need the bearer token" if tokens else
                  f"no token set ({auth.http_token_env} / auth.http_token_file): "
                  f"{guarded} answer anyone who reaches it")
 
@@ -308,18 +308,17 @@ class NodeServer:
         self._threads.append(thread)
 
 
-def http_token(config: ServerConfig) -> bytes | None:
-    """The bearer token of the HTTP API (the first entry of its variable or file), None when
-    none is set. A ConfigError names the source, never the token."""
+def http_tokens(config: ServerConfig) -> list[bytes]:
+    """The bearer tokens the HTTP API accepts (every entry of its variable or file: two while
+    one is rotated), ``[]`` when none is set. A ConfigError names the source, never a token."""
     auth = config.auth
     tokens = read_secrets(auth.http_token_env, auth.http_token_file, what="node HTTP token")
-    if not tokens:
-        return None
-    if len(tokens[0]) < MIN_TOKEN_BYTES:
-        log.warning("the node HTTP token is %d bytes; use at least %d random ones (it is "
-                    "all that keeps others from asking which prompts are cached)",
-                    len(tokens[0]), MIN_TOKEN_BYTES)
-    return tokens[0]
+    for i, token in enumerate(tokens, 1):
+        if len(token) < MIN_TOKEN_BYTES:
+            log.warning("node HTTP token %d of %d is %d bytes; use at least %d random ones "
+                        "(it is all that keeps others from asking which prompts are cached)",
+                        i, len(tokens), len(token), MIN_TOKEN_BYTES)
+    return tokens
 
 
 def _check_private(folder: str) -> None:

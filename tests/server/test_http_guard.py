@@ -112,6 +112,19 @@ def test_the_token_from_an_owner_only_file(make_server: MakeServer, tmp_path: Pa
     assert value not in str(refused.value)
 
 
+def test_every_listed_token_is_accepted_while_one_is_rotated(
+        make_server: MakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotation: the node accepts the old and the new token at once (the router switches
+    between two rollouts without a refusal); a token listed by neither is still refused."""
+    old, new = secrets.token_hex(16), secrets.token_hex(16)
+    monkeypatch.setenv(TOKEN_ENV, f"{old},{new}")
+    port = guarded(make_server)
+    for accepted in (old, new):
+        assert fetch(port, "/v1/stats", headers=bearer(accepted))[0] == 200
+    for refused in (secrets.token_hex(16), f"{old},{new}", old + new, ""):
+        assert fetch(port, "/v1/stats", headers=bearer(refused))[0] == 401, refused
+
+
 def test_the_token_is_never_logged(tmp_path: Path) -> None:
     """A real ``kvtier server`` logging at debug, asked with the token, a wrong one and
     none: neither token appears in what it printed."""
