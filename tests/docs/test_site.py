@@ -7,6 +7,7 @@ its pages stay short enough to read: docs/benchmarks.md under 300 lines, no guid
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -73,3 +74,23 @@ def test_guides_stay_short() -> None:
     long = {page: n for page, n in lines.items() if n > GUIDE_MAX_LINES}
     assert long == {}, f"pages over {GUIDE_MAX_LINES} lines: split them by topic"
 
+
+def test_the_readmes_links_into_the_docs_resolve() -> None:
+    """README.md is outside the site, so the strict build does not read it: its links to pages
+    and their sections are checked here, with the site's own anchors (GitHub's spelling)."""
+    from pymdownx.slugs import slugify
+
+    slug = slugify(case="lower")
+    links = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#\s]*)(?:#([^)\s]+))?\)",
+                       (ROOT / "README.md").read_text())
+    assert len(links) >= 10
+    broken = []
+    for path, anchor in links:
+        target = ROOT / path
+        if not target.is_file():
+            broken.append(path)
+        elif anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.MULTILINE)
+            if anchor not in {slug(h, "-") for h in headings}:
+                broken.append(f"{path}#{anchor}")
+    assert broken == []
