@@ -54,6 +54,8 @@ class RoutedRequest:
     session: str | None
     keys_of: RequestKeys
     tenant: Tenant = OPEN
+    session_key: bytes | None = None
+    """The session the router holds for it (:mod:`kvtier.router.sessions`), if any."""
 
     @classmethod
     def parse(cls, path: str, raw: bytes, session_header: str | None,
@@ -79,6 +81,12 @@ class RoutedRequest:
             session = body["user"] or None
         keys = RequestKeys(endpoint, body, renderers, len(raw))
         return cls(path, endpoint, raw, body, session, keys, tenant)
+
+    def rewritten(self, renderers: Renderers) -> None:
+        """The body was changed in place: its bytes (and what keys them) follow."""
+        assert self.body is not None
+        self.raw = json.dumps(self.body).encode()
+        self.keys_of = RequestKeys(self.endpoint, self.body, renderers, len(self.raw))
 
     @property
     def model(self) -> str | None:

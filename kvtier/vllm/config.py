@@ -31,7 +31,7 @@ import msgspec
 from kvtier.codec import HEADER_SIZE, align_up
 from kvtier.config import ConfigStruct, ServerConfig, parse
 from kvtier.errors import ConfigError
-from kvtier.hints import RetentionHint
+from kvtier.hints import FinishRetention, RetentionHint
 
 _PLACEHOLDER_SLOT = HEADER_SIZE + 4096
 log = logging.getLogger("kvtier.vllm")
@@ -130,6 +130,9 @@ class RequestOptions(ConfigStruct, frozen=True):
     """Priority and duration for the prompt or token ranges of it (:mod:`kvtier.hints`)."""
     release: bool = False
     """The prefix is done: its chunks drop to priority 0 when the request finishes."""
+    finish: FinishRetention | None = None
+    """A retention per way the request may end, set on its chunks when it does (the
+    router's session retention: :mod:`kvtier.router.sessions`)."""
 
     def __post_init__(self) -> None:
         if self.priority is not None and not 0 <= self.priority <= 100:
