@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtier.router.keys import NamespaceInfo, PromptKeys, Renderers, RequestKeys
-from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
+from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants, stamp_tenant
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
@@ -75,6 +75,8 @@ class RoutedRequest:
                     raw = json.dumps(body).encode()
             except RecursionError as exc:
                 raise BadRequest("the body is nested too deeply") from exc
+        elif body is not None and b'"tenant"' in raw and stamp_tenant(body, tenant):
+            raw = json.dumps(body).encode()
         endpoint = ENDPOINTS[path]
         session = session_header
         if not session and body is not None and isinstance(body.get("user"), str):

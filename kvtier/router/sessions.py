@@ -40,7 +40,7 @@ from kvtier.errors import ConfigError
 from kvtier.policies.retention import DEFAULT_PRIORITY, MAX_RETAIN_S
 from kvtier.router.finish import TOOL_CALLS
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.tenants import BadRequest, Tenant
+from kvtier.router.tenants import BadRequest, Tenant, stamp_tenant
 
 MAX_SESSION_CHARS = 128
 MAX_USER_CHARS = 256
@@ -174,6 +174,7 @@ class Sessions:
         retain = {"priority": priority, "duration_s": duration}
         options["retention"] = retain
         options["finish"] = {"stop": retain, "length": turn}
+        stamp_tenant(body, tenant)
         self._metrics.session_retentions.labels(TOOL_CALLS if tool else "turn").inc()
         return True
 

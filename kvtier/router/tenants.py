@@ -111,6 +111,7 @@ class Tenants:
         (or must be re-encoded). Raises :class:`BadRequest` for a salt or priority vLLM or the
         connector would not accept."""
         changed = _cap_priority(body, tenant.max_priority)
+        changed = stamp_tenant(body, tenant) | changed
         _check_release(tenant, body)
         if tenant.isolated:
             client_salt = body.get("cache_salt")
@@ -148,6 +149,22 @@ def _cap_priority(body: dict[str, Any], cap: int) -> bool:
             changed = _cap(token_range, "priority", cap,
                            f"{where}.ranges[{i}].priority") | changed
     return changed
+
+
+def stamp_tenant(body: dict[str, Any], tenant: Tenant) -> bool:
+    """Name the tenant in the request's ``kvtier`` options, if it has any (the store counts
+    retention above the default against that tenant's quota): a client never names another.
+    The open tenant is the store's ``default``: the name is taken out. True if changed."""
+    params = body.get("kv_transfer_params")
+    options = params.get("kvtier") if isinstance(params, dict) else None
+    if not isinstance(options, dict):
+        return False
+    if tenant is OPEN or (tenant.name == DEFAULT_TENANT and not tenant.isolated):
+        return options.pop("tenant", None) is not None
+    if options.get("tenant") == tenant.name:
+        return False
+    options["tenant"] = tenant.name
+    return True
 
 
 def _check_release(tenant: Tenant, body: dict[str, Any]) -> None:

@@ -339,7 +339,8 @@ class SchedulerSide:
         undo = Abort(mine) if mine else None
         priority, retain_s = retention
         reply = self.link.call(Reserve(self.ns.fingerprint, keys, self.layout.payload_len,
-                                       self.chunk_tokens, priority, start, retain_s), None,
+                                       self.chunk_tokens, priority, start, retain_s,
+                                       st.info.options.tenant), None,
                                undo=undo)
         slots = reply.slots if reply is not None else [None] * len(keys)
         granted = [(start + i, k, s) for i, (k, s) in enumerate(zip(keys, slots, strict=True))
@@ -506,11 +507,11 @@ class SchedulerSide:
         if options.priority is not None or options.retention is not None:
             for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st))):
                 self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s,
-                                           keep_stronger=True), None)
+                                           keep_stronger=True, tenant=options.tenant), None)
         at_end = options.finish.of(reason) if options.finish is not None else None
         if at_end is not None:
             self.link.call(SetPriority(st.keys, at_end.priority, at_end.duration_s,
-                                       keep_stronger=True), None)
+                                       keep_stronger=True, tenant=options.tenant), None)
 
 
 def _runs_outside(start: int, end: int, skip: set[int]) -> list[tuple[int, int]]:

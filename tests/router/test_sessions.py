@@ -118,14 +118,17 @@ def test_the_clients_retention_and_the_tenants_cap_win(tmp_path: Path) -> None:
                 aiohttp.ClientSession() as http:
             url = f"http://127.0.0.1:{router.port}/v1/completions"
             capped = {"Authorization": "Bearer capped-key-0123456789", "X-Session-Id": "s"}
-            own = {"kvtier": {"retention": {"priority": 90, "duration_s": 5}}}
+            own = {"kvtier": {"retention": {"priority": 90, "duration_s": 5},
+                              "tenant": "plain"}}  # not its own name: the router's wins
             assert await ask(http, url, completion(kv_transfer_params=own), capped) == 200
-            assert sent(backend) == {"retention": {"priority": 60, "duration_s": 5}}
+            assert sent(backend) == {"retention": {"priority": 60, "duration_s": 5},
+                                     "tenant": "capped"}
             await ask(http, url, completion(), capped)  # after a tool call: 80, capped
             assert sent(backend) == {"retention": {"priority": 60, "duration_s": 120.0},
                                      "finish": {"stop": {"priority": 60, "duration_s": 120.0},
                                                 "length": {"priority": 50,
-                                                           "duration_s": 600.0}}}
+                                                           "duration_s": 600.0}},
+                                     "tenant": "capped"}
             plain = {"Authorization": "Bearer plain-key-0123456789", "X-Session-Id": "s"}
             await ask(http, url, completion(), plain)
             assert sent(backend) is None
@@ -189,6 +192,9 @@ def test_a_hostile_client_cannot_grow_the_table_or_pass_a_bad_session() -> None:
 
 
 def test_without_session_retention_bodies_go_through_untouched() -> None:
+    """... except a tenant's name, which only the router gives (an open router's clients
+    are the store's ``default``)."""
+
     async def main() -> None:
         async with stubs(1, finish_reason="tool_calls") as (backend,), running_router(
                 router_config([backend])) as router, aiohttp.ClientSession() as http:
@@ -196,6 +202,9 @@ def test_without_session_retention_bodies_go_through_untouched() -> None:
             await ask(http, url, completion(), {"X-Session-Id": "x" * 500})
             await ask(http, url, completion(), {"X-Session-Id": "x" * 500})
             assert sent(backend) is None and router.sessions is None
+            claim = {"kvtier": {"priority": 90, "tenant": "alice"}}
+            await ask(http, url, completion(kv_transfer_params=claim))
+            assert sent(backend) == {"priority": 90}
 
     asyncio.run(main())
 
