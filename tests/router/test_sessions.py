@@ -234,3 +234,21 @@ def test_session_options_are_checked() -> None:
                      ({"end_header": "a b"}, "--session-end-header")):
         with pytest.raises(ConfigError, match=word):
             SessionConfig(retain=True, **kw)  # type: ignore[arg-type]
+
+
+def test_session_options_from_the_command_line() -> None:
+    from kvtier.cli import build_parser, main
+    from kvtier.router.config import RouterConfig
+
+    parser = build_parser()
+    base = ["route", "--backends", "http://a:1"]
+    assert RouterConfig.from_args(parser.parse_args(base)).sessions.retain is False
+    config = RouterConfig.from_args(parser.parse_args([
+        *base, "--session-retention", "--max-sessions", "50", "--session-tool-s", "30",
+        "--session-turn-priority", "40", "--session-end-header", "X-Done"]))
+    assert config.sessions == SessionConfig(retain=True, max_sessions=50, tool_s=30.0,
+                                            turn_priority=40, end_header="X-Done")
+    with pytest.raises(ConfigError, match="--session-tool-priority"):
+        RouterConfig.from_args(parser.parse_args(
+            [*base, "--session-retention", "--session-tool-priority", "300"]))
+    assert main([*base, "--session-retention", "--session-idle-s", "-1"]) == 2
