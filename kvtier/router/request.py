@@ -75,7 +75,7 @@ class RoutedRequest:
                     raw = json.dumps(body).encode()
             except RecursionError as exc:
                 raise BadRequest("the body is nested too deeply") from exc
-        elif body is not None and b'"tenant"' in raw and stamp_tenant(body, tenant):
+        elif body is not None and stamp_tenant(body, tenant):
             raw = json.dumps(body).encode()
         endpoint = ENDPOINTS[path]
         session = session_header

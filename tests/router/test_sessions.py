@@ -205,6 +205,11 @@ def test_without_session_retention_bodies_go_through_untouched() -> None:
             claim = {"kvtier": {"priority": 90, "tenant": "alice"}}
             await ask(http, url, completion(kv_transfer_params=claim))
             assert sent(backend) == {"priority": 90}
+            async with http.post(url, data=json.dumps(completion(
+                    kv_transfer_params=claim)).replace('"tenant"', '"ten\\u0061nt"'),
+                    headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200
+            assert sent(backend) == {"priority": 90}, "an escaped name is the same name"
 
     asyncio.run(main())
 
