@@ -34,8 +34,9 @@ from typing import Any
 import yaml
 
 from kvtier.auth import read_private_file, read_secrets
+from kvtier.config import parse
 from kvtier.errors import ConfigError
-from kvtier.hints import parse_retention
+from kvtier.hints import FinishRetention, parse_retention
 
 DEFAULT_TENANT = "default"
 DEFAULT_MAX_PRIORITY = 35
@@ -148,6 +149,12 @@ def _cap_priority(body: dict[str, Any], cap: int) -> bool:
         for i, token_range in enumerate(retention.get("ranges") or ()):
             changed = _cap(token_range, "priority", cap,
                            f"{where}.ranges[{i}].priority") | changed
+    finish = options.get("finish")
+    if isinstance(finish, dict):
+        for reason, retain in finish.items():
+            if isinstance(retain, dict):
+                changed = _cap(retain, "priority", cap, "kv_transfer_params.kvtier.finish."
+                               f"{reason}.priority") | changed
     return changed
 
 
@@ -182,6 +189,11 @@ def _check_retention(options: dict[str, Any]) -> None:
     if options.get("retention") is not None:
         try:
             parse_retention(options["retention"])
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from exc
+    if options.get("finish") is not None:
+        try:
+            parse(FinishRetention, options["finish"], "kv_transfer_params.kvtier.finish")
         except ConfigError as exc:
             raise BadRequest(str(exc)) from exc
     release = options.get("release", False)

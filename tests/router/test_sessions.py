@@ -129,11 +129,21 @@ def test_the_clients_retention_and_the_tenants_cap_win(tmp_path: Path) -> None:
                                                 "length": {"priority": 50,
                                                            "duration_s": 600.0}},
                                      "tenant": "capped"}
+            own = {"kvtier": {"finish": {"stop": {"priority": 100, "duration_s": 9}}}}
+            await ask(http, url, completion(kv_transfer_params=own), capped)
+            assert sent(backend) == {"finish": {"stop": {"priority": 60, "duration_s": 9}},
+                                     "tenant": "capped"}, "a finish retention is capped too"
+            for bad in ({"tool_calls": {"priority": 1}}, {"stop": {"priority": "high"}}):
+                own = {"kvtier": {"finish": bad}}
+                async with http.post(url, json=completion(kv_transfer_params=own),
+                                     headers=capped) as resp:
+                    assert resp.status == 400
+                    assert "kv_transfer_params.kvtier.finish" in await resp.text()
             plain = {"Authorization": "Bearer plain-key-0123456789", "X-Session-Id": "s"}
             await ask(http, url, completion(), plain)
             assert sent(backend) is None
             assert sample(router, "kvtier_router_sessions_retentions_total",
-                          reason="client") == 1
+                          reason="client") == 2
             assert sample(router, "kvtier_router_sessions_retentions_total",
                           reason="capped") == 1
             assert sample(router, "kvtier_router_sessions_live") == 2  # "s" of each tenant
