@@ -43,6 +43,10 @@ class Quotas:
         if config is not None:
             self._limits = {**config.tenants, OTHERS: dict(config.others)}
         self._metrics = metrics
+        for tenant, limits in self._limits.items():
+            for tier, limit in limits.items():
+                metrics.quota_limit.labels(tenant, tier).set(limit)
+                metrics.quota_used.labels(tenant, tier).set(0)
         self._pins: dict[tuple[str, str], OrderedDict[Hashable, int]] = {}
         self._used: dict[tuple[str, str], int] = {}
         self._owner: dict[tuple[str, Hashable], str] = {}
@@ -82,6 +86,7 @@ class Quotas:
             self._owner[(tier, key)] = bucket
             admitted += 1
         self._used[slot] = used
+        self._metrics.quota_used.labels(bucket, tier).set(used)
         if admitted < len(keys):
             self._metrics.quota_clipped.labels(tier).inc(len(keys) - admitted)
         return admitted
@@ -101,6 +106,7 @@ class Quotas:
             self._used[slot] -= pins.pop(key)
             if self._owner.get((slot[1], key)) == slot[0]:
                 del self._owner[(slot[1], key)]
+        self._metrics.quota_used.labels(*slot).set(self._used.get(slot, 0))
 
     def used(self, tenant: str | None, tier: str) -> int:
         """Bytes counted against ``tenant``'s quota in ``tier`` (some may have left since)."""

@@ -76,6 +76,10 @@ def test_a_quota_frees_up_when_pinned_chunks_leave_or_are_released(
         store_chunks(store, stray, priority=90, tenant=tenant)
         assert pinned(store, stray) == 0
     assert store.quotas.used("alice", "arena") == 2 * SLOT_BYTES
+    assert sample(store, "kvtier_retention_quota_used_bytes", tenant="alice",
+                  tier="arena") == 2 * SLOT_BYTES
+    assert sample(store, "kvtier_retention_quota_bytes", tenant="bob",
+                  tier="disk") == 6 * CHUNK_BYTES
     store.check_integrity()
 
 
