@@ -223,6 +223,8 @@ class Router:
         for b in self.pool:
             self.metrics.speed.labels(b.name).set(b.load.speed.value)
             self.metrics.others.labels(b.name).set(b.load.others)
+        if self.sessions is not None:
+            self.sessions.tick()
         slope = self.pool.steps.slope_s()
         if slope is not None:
             self.metrics.step_slope.set(slope)

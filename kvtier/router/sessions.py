@@ -141,6 +141,11 @@ class Sessions:
         if session is not None and finish_reason is not None:
             session.last_finish = finish_reason
 
+    def tick(self) -> None:
+        """Forget idle sessions now (a /metrics scrape: the gauge is current)."""
+        self._expire(self._clock())
+        self._metrics.sessions_live.set(len(self._table))
+
     def _expire(self, now: float) -> None:
         """Forget sessions idle for --session-idle-s (least recently seen first)."""
         while self._table:

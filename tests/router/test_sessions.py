@@ -169,6 +169,9 @@ def test_an_ended_or_idle_session_lets_go() -> None:
             await ask(http, url, completion(), who)
             assert sent(backend)["retention"] == TURN  # type: ignore[index]
             await asyncio.sleep(0.4)
+            async with http.get(f"http://127.0.0.1:{router.port}/metrics") as resp:
+                text = await resp.text()
+            assert "kvtier_router_sessions_live 0.0" in text, "a scrape forgets idle ones"
             await ask(http, url, completion(), who)
             assert sent(backend)["retention"] == TURN  # type: ignore[index]
             assert sample(router, "kvtier_router_sessions_ended_total", reason="idle") == 1
