@@ -194,9 +194,10 @@ class KvtierClient:
 
     def reserve(self, namespace_fp: bytes, keys: Sequence[ChunkKey], *, payload_len: int,
                 tokens: int, priority: int = 35, first_index: int = 0,
-                retain_s: float | None = None) -> list[int | None]:
+                retain_s: float | None = None, tenant: str | None = None
+                ) -> list[int | None]:
         request = Reserve(namespace_fp, list(keys), payload_len, tokens, priority, first_index,
-                          retain_s)
+                          retain_s, tenant)
         return self.call(request).slots
 
     def commit(self, keys: Sequence[ChunkKey]) -> int:
@@ -206,10 +207,11 @@ class KvtierClient:
         return self.call(Abort(list(keys))).count
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int,
-                     retain_s: float | None = None) -> None:
+                     retain_s: float | None = None, *, keep_stronger: bool = False,
+                     tenant: str | None = None) -> None:
         """Keep ``keys`` (a prefix, head first) at ``priority`` for ``retain_s`` seconds
-        (``None``: until changed); priority 0 releases them."""
-        self.call(SetPriority(list(keys), priority, retain_s))
+        (``None``: until changed), within ``tenant``'s quota; priority 0 releases them."""
+        self.call(SetPriority(list(keys), priority, retain_s, keep_stronger, tenant))
 
     def report(self, client: str, counters: dict[str, float]) -> int:
         """Add engine-side counter increments to the server's /metrics."""

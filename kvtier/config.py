@@ -207,6 +207,35 @@ class AuthConfig(ConfigStruct, frozen=True):
     (:mod:`kvtier.address`)."""
 
 
+MAX_QUOTA_TENANTS = 1024
+
+
+class QuotaConfig(ConfigStruct, frozen=True):
+    """``retention_quotas``: the bytes a tenant may hold above the default retention priority
+    in each tier (``arena`` or a lower tier's name; a tier not named: no limit). A request
+    names its tenant in ``kv_transfer_params.kvtier.tenant`` (the router sets it); one
+    without is tenant ``default``, and tenants not listed share ``others``."""
+
+    tenants: dict[str, dict[str, Size]] = msgspec.field(default_factory=dict)
+    others: dict[str, Size] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.tenants) > MAX_QUOTA_TENANTS:
+            raise ConfigError(f"tenants: at most {MAX_QUOTA_TENANTS} tenants, got "
+                              f"{len(self.tenants)}")
+        for name, limits in [*self.tenants.items(), ("others", self.others)]:
+            where = "others" if limits is self.others else f"tenants.{name}"
+            for tier in list(limits):
+                limits[tier] = parse_size(limits[tier], f"{where}.{tier}")
+
+    def check_tiers(self, names: set[str]) -> None:
+        for name, limits in [*self.tenants.items(), ("others", self.others)]:
+            unknown = set(limits) - names
+            if unknown:
+                raise ConfigError(f"retention_quotas: {name}: unknown tier(s) "
+                                  f"{sorted(unknown)}; allowed: {sorted(names)}")
+
+
 class ServerConfig(ConfigStruct, frozen=True):
     socket_path: str = ""
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
@@ -233,6 +262,8 @@ class ServerConfig(ConfigStruct, frozen=True):
     access_log: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
+    retention_quotas: QuotaConfig | None = None
+    """Bytes per tenant and tier held above the default priority (:class:`QuotaConfig`)."""
 
     def __post_init__(self) -> None:
         _sizes(self, "max_message_bytes")
@@ -257,6 +288,8 @@ class ServerConfig(ConfigStruct, frozen=True):
         names = [tier.name for tier in self.tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tiers: names must be unique, got {names}")
+        if self.retention_quotas is not None:
+            self.retention_quotas.check_tiers({"arena", *names})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:

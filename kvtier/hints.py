@@ -8,14 +8,20 @@ The shape is TensorRT-LLM's retention config, in seconds::
         "ranges": [{"start": 0, "end": 4096, "priority": 90, "duration_s": 300}],
         "decode_priority": 10, "decode_duration_s": 5     # chunks of generated tokens
       },
-      "release": true                                     # or: the prefix is done
+      "release": true,                                    # or: the prefix is done
+      "finish": {"stop": {"priority": 60, "duration_s": 600},   # set when it finishes,
+                 "length": {"priority": 60, "duration_s": 600}} # by how it finished
     }
 
 Each chunk of the prompt takes the highest priority among the ranges that overlap its tokens
 (``end`` null: to the end of the prompt), else the whole-prompt retention, else the request's
 ``priority``, else the connector's default. A duration makes the priority fall back to the
 default (35) that many seconds after it is set; none keeps it until changed. ``release``
-drops the prompt's chunks to priority 0 when the request finishes. Everything is checked
+drops the prompt's chunks to priority 0 when the request finishes. ``finish`` holds a
+retention per way the engine can end a request (``stop``: an end-of-sequence token or a
+stop string, ``length``: ``max_tokens`` or the model's length, ``abort``: the client left or
+an error); the one for how it ended is set on the request's chunks when it finishes, where it
+is stronger than what they hold (the router sets it for a session's turn). Everything is checked
 here (the connector and the router parse the same way) and bounded: at most
 ``MAX_RANGES`` ranges, priorities 0-100, durations in (0, ``MAX_RETAIN_S``] seconds.
 """
@@ -92,6 +98,29 @@ class RetentionHint(ConfigStruct, frozen=True):
         if self.priority is not None:
             return self.priority, self.duration_s
         return default
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""How the engine can end a request (vLLM's ``FinishReason``, less what it never answers)."""
+
+
+class Retain(ConfigStruct, frozen=True):
+    """A priority kept for ``duration_s`` seconds (none: until changed)."""
+
+    priority: Priority
+    duration_s: Duration | None = None
+
+
+class FinishRetention(ConfigStruct, frozen=True):
+    """A retention per way the request may end, set on its chunks when it does."""
+
+    stop: Retain | None = None
+    length: Retain | None = None
+    abort: Retain | None = None
+
+    def of(self, reason: str | None) -> Retain | None:
+        """The retention for ``reason`` (one of :data:`FINISH_REASONS`), if any."""
+        return getattr(self, reason) if reason in FINISH_REASONS else None
 
 
 def _rank(priority: int, duration_s: float | None) -> tuple[int, float]:

@@ -89,6 +89,17 @@ class StoreMetrics:
         self.expiries_seen: dict[str, int] = {}
         """Each tier's expiries already counted (policies keep a running total)."""
         self.retention_lock = threading.Lock()
+        self.quota_clipped = Counter(
+            "kvtier_retention_quota_clipped_chunks", "Chunks kept at the default priority "
+            "because their tenant's retention quota in the tier was full", ["tier"],
+            registry=r)
+        self.quota_used = Gauge(
+            "kvtier_retention_quota_used_bytes", "Bytes counted against a tenant's retention "
+            "quota in a tier (an upper bound: what left since is forgotten when room is "
+            "needed)", ["tenant", "tier"], registry=r)
+        self.quota_limit = Gauge(
+            "kvtier_retention_quota_bytes", "A tenant's retention quota in a tier "
+            "(retention_quotas)", ["tenant", "tier"], registry=r)
         self.retention_releases = Counter(
             "kvtier_retention_releases", "Chunks a request released (priority 0)", registry=r)
         self.retained_hits = Counter(

@@ -49,6 +49,7 @@ Priority = Annotated[int, Meta(ge=0, le=100)]
 RetainS = Annotated[float, Meta(gt=0.0, le=MAX_RETAIN_S)]
 """A retention's duration: the priority falls back to the default after it."""
 Name = Annotated[str, Meta(max_length=200)]
+Tenant = Annotated[str, Meta(min_length=1, max_length=64)]
 U32 = Annotated[int, Meta(ge=0, lt=2**32)]
 
 
@@ -161,6 +162,8 @@ class Reserve(Op[ReserveReply], tag="reserve"):
     priority: Priority = 35
     first_index: U32 = 0
     retain_s: RetainS | None = None
+    tenant: Tenant | None = None
+    """Whose quota a retention above the default counts against (:mod:`kvtier.store.quotas`)."""
 
 
 class Commit(Op[CountReply], tag="commit"):
@@ -199,6 +202,7 @@ class SetPriority(Op[CountReply], tag="set_priority"):
     """Leave a chunk held stronger (higher priority; equal, a later deadline) as it is:
     what a request's finish sends, so that it never lowers what another set on a shared
     prefix. Only a plain set (a release) lowers."""
+    tenant: Tenant | None = None
 
 
 class Stats(Op[StatsReply], tag="stats"):

@@ -80,7 +80,8 @@ def build_store(root: Path, *, slots: int = 6, disk_bytes: int | None = None,
                 orphan_grace_s: float = 0.0,
                 free_target: float = 0.0, io_threads: int = 2,
                 disk_options: dict[str, Any] | None = None,
-                tiers: list[dict[str, Any]] | None = None) -> TieredStore:
+                tiers: list[dict[str, Any]] | None = None,
+                retention_quotas: dict[str, Any] | None = None) -> TieredStore:
     """A store with ``slots`` arena slots and, given ``disk_bytes``, a disk tier under root
     (or the lower ``tiers`` given)."""
     tiers = list(tiers or [])
@@ -94,6 +95,7 @@ def build_store(root: Path, *, slots: int = 6, disk_bytes: int | None = None,
         "tiers": tiers,
         "lease_ttl_s": lease_ttl_s,
         "orphan_grace_s": orphan_grace_s,
+        "retention_quotas": retention_quotas,
     })
     if clock is None:
         return TieredStore(config, arena_name=arena_name())
@@ -114,10 +116,12 @@ def server_config(root: Path, *, slots: int = 8, disk_bytes: int | None = None,
 
 def store_chunks(store: TieredStore, chunk_keys: Sequence[ChunkKey], fill: int = 0, *,
                  owner: int = 1, priority: int = 35, first_index: int = 0,
-                 n: int = PAYLOAD, retain_s: float | None = None) -> list[int | None]:
+                 n: int = PAYLOAD, retain_s: float | None = None,
+                 tenant: str | None = None) -> list[int | None]:
     """Reserve, write each granted slot's payload pattern, commit; returns the slots."""
     slots = store.reserve(owner, NS, chunk_keys, payload_len=n, tokens=TOKENS,
-                          priority=priority, first_index=first_index, retain_s=retain_s)
+                          priority=priority, first_index=first_index, retain_s=retain_s,
+                          tenant=tenant)
     granted = [key for key, slot in zip(chunk_keys, slots, strict=True) if slot is not None]
     for key, slot in zip(chunk_keys, slots, strict=True):
         if slot is not None:

@@ -106,3 +106,20 @@ def test_the_most_ranges_cost_at_most_17_store_calls() -> None:
     assert len(runs(retentions)) == 2 * MAX_RANGES + 1
     with pytest.raises(ConfigError, match=r"retention.ranges: .*<= 8"):
         parse_retention({"ranges": [*ranges, {"start": 0, "end": 1, "priority": 1}]})
+
+
+def test_a_finish_retention_per_reason_is_parsed_and_checked() -> None:
+    from kvtier.hints import FinishRetention, Retain
+    from kvtier.vllm.config import RequestOptions
+
+    options = RequestOptions.from_params({"kvtier": {
+        "finish": {"stop": {"priority": 80, "duration_s": 120}}, "tenant": "alice"}})
+    assert options.finish == FinishRetention(stop=Retain(80, 120.0))
+    assert options.tenant == "alice"
+    assert options.finish.of("stop") == Retain(80, 120.0)
+    assert options.finish.of("length") is None and options.finish.of("__class__") is None
+    for bad in ({"finish": {"tool_calls": {"priority": 80}}},
+                {"finish": {"stop": {"priority": 101}}},
+                {"finish": {"stop": {"priority": 80, "duration_s": 0}}},
+                {"tenant": ""}, {"tenant": "x" * 65}):
+        assert RequestOptions.from_params({"kvtier": bad}) == RequestOptions(), bad

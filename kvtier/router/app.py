@@ -57,6 +57,7 @@ from kvtier.router.proxy import (
 )
 from kvtier.router.redact import Scrubber, ScrubFilter, redact_url, userinfo
 from kvtier.router.request import ENDPOINTS, BodyTooLarge, RoutedRequest, read_body
+from kvtier.router.sessions import Sessions
 from kvtier.router.sources import Resolver
 from kvtier.router.strategies import STRATEGIES, Decision, RoutingContext, Strategy
 from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
@@ -81,6 +82,8 @@ class Router:
         self.accounting = Accounting(self.metrics, config.cost.min_sample_tokens, self.pool)
         self.pool.listeners.append(self._on_health)
         self.renderers = Renderers()
+        self.sessions = (Sessions(config.sessions, self.metrics) if config.sessions.retain
+                         else None)
         self.history = DeviceHistory(config.cost.device_ttl_s)
         self.holdings = Holdings(config.cost.lookup_memory_s)
         self.members = MemberWatch(self.pool, self.metrics, self.history, self.holdings)
@@ -220,6 +223,8 @@ class Router:
         for b in self.pool:
             self.metrics.speed.labels(b.name).set(b.load.speed.value)
             self.metrics.others.labels(b.name).set(b.load.others)
+        if self.sessions is not None:
+            self.sessions.tick()
         slope = self.pool.steps.slope_s()
         if slope is not None:
             self.metrics.step_slope.set(slope)
@@ -257,6 +262,7 @@ class Router:
                                           request.headers.get(self.config.session_header),
                                           self.renderers, request.get(TENANT, OPEN),
                                           self.tenants)
+                self._hold_session(req, request)
             except BodyTooLarge as exc:
                 self.metrics.refused.labels("too_large").inc()
                 resp = error_response(413, str(exc), "invalid_request_error")
@@ -270,6 +276,17 @@ class Router:
             self.active -= 1
             if self.active == 0:
                 self._idle.set()
+
+    def _hold_session(self, req: RoutedRequest, request: web.Request) -> None:
+        """The request's session, and the retention it gets (:mod:`kvtier.router.sessions`)."""
+        if self.sessions is None:
+            return
+        key, changed = self.sessions.on_request(
+            req.tenant, request.headers.get(self.config.session_header),
+            request.headers.get(self.config.sessions.end_header), req.body, req.endpoint)
+        req.session_key = key
+        if changed:
+            req.rewritten(self.renderers)
 
     # ------------------------------------------------------------------ routing
 
@@ -357,6 +374,8 @@ class Router:
             flight = load.finish(fid, time.monotonic())
             gauge.dec()
         actual = self.accounting.record(req, decision, outcome, flight, received)
+        if self.sessions is not None:
+            self.sessions.on_answer(req.session_key, outcome.finish_reason)
         self._check_recall(decision, actual)
         if "cut" in outcome.extra:
             self.pool.set_health(backend, False, self.scrub(f"stream cut: {outcome.extra['cut']}"))

@@ -80,6 +80,30 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "those that are out at once (0: answer 503 at once)")
     p.add_argument("--session-header", default="X-Session-Id",
                    help="the session strategy's key (else the body's 'user')")
+    ses = p.add_argument_group("sessions: retention the router sets (docs/router.md)")
+    ses.add_argument("--session-retention", action="store_true",
+                     help="keep live sessions' prefixes retained (a session: "
+                     "--session-header, else the body's 'user', else its first messages)")
+    ses.add_argument("--session-end-header", default="X-Session-End",
+                     help="a request with this header at 1/true ends its session "
+                     "(default: %(default)s)")
+    ses.add_argument("--max-sessions", type=int, default=10_000,
+                     help="sessions held at most; the least recently seen leave first "
+                     "(default: %(default)s)")
+    ses.add_argument("--session-idle-s", type=float, default=900.0,
+                     help="a session without a request this long is over "
+                     "(default: %(default)s)")
+    ses.add_argument("--session-prefix-messages", type=int, default=2,
+                     help="without a header or 'user', a chat is known by its first this "
+                     "many messages (default: %(default)s)")
+    ses.add_argument("--session-tool-priority", type=int, default=80,
+                     help="after an answer that called a tool (default: %(default)s) ...")
+    ses.add_argument("--session-tool-s", type=float, default=120.0,
+                     help="... for this long (default: %(default)s)")
+    ses.add_argument("--session-turn-priority", type=int, default=50,
+                     help="after an end of turn (default: %(default)s) ...")
+    ses.add_argument("--session-turn-s", type=float, default=600.0,
+                     help="... for this long (default: %(default)s)")
     p.add_argument("--drain-s", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
     p.add_argument("--prefix-chunks", type=int, default=2,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvtier.auth import read_secrets
 from kvtier.errors import ConfigError
 from kvtier.router.redact import redact_url, userinfo
+from kvtier.router.sessions import SessionConfig
 from kvtier.router.sources import DnsName
 from kvtier.router.tenants import Tenants, load_tenants
 
@@ -96,6 +97,7 @@ class RouterConfig:
     parts_file: str | None = None
     """A stack.json whose parts' states /metrics shows (``kvtier serve --instances``)."""
     discovery: DiscoveryConfig | None = None
+    sessions: SessionConfig = field(default_factory=SessionConfig)
 
     def __post_init__(self) -> None:
         if self.discovery is not None and self.backends:
@@ -156,7 +158,18 @@ class RouterConfig:
             max_body_bytes=int(_positive(args.max_body_bytes, "--max-body-bytes")),
             tenants=_tenants(args, api_key),
             node_token=_first_secret(args.node_token_env, args.node_token_file, "node token"),
-            parts_file=getattr(args, "parts_file", None), discovery=discovery)
+            parts_file=getattr(args, "parts_file", None), discovery=discovery,
+            sessions=_sessions(args))
+
+
+def _sessions(args: argparse.Namespace) -> SessionConfig:
+    if not getattr(args, "session_retention", False):
+        return SessionConfig()
+    return SessionConfig(
+        retain=True, end_header=args.session_end_header, max_sessions=args.max_sessions,
+        idle_s=args.session_idle_s, prefix_messages=args.session_prefix_messages,
+        tool_priority=args.session_tool_priority, tool_s=args.session_tool_s,
+        turn_priority=args.session_turn_priority, turn_s=args.session_turn_s)
 
 
 MAX_BACKENDS = 1024

@@ -105,6 +105,16 @@ class RouterMetrics:
                                           registry=r)
         self.lookup_failures = Counter("kvtier_router_lookup_failures", "Node-server lookups "
                                        "that failed or timed out", ["server"], registry=r)
+        self.sessions_live = Gauge("kvtier_router_sessions_live", "Sessions the router holds "
+                                   "(a request within --session-idle-s)", registry=r)
+        self.session_retentions = Counter("kvtier_router_sessions_retentions", "Session "
+                                          "requests by the retention the router set: "
+                                          "tool_calls (the last answer called a tool), "
+                                          "turn, client (its own), capped (the tenant's "
+                                          "cap leaves none)", ["reason"], registry=r)
+        self.sessions_ended = Counter("kvtier_router_sessions_ended", "Sessions the router "
+                                      "forgot: end (the client said), idle, evicted (the "
+                                      "table was full)", ["reason"], registry=r)
 
     def forget_backend(self, name: str, node: str | None) -> None:
         """Drop a backend's series (it left: churn must not grow /metrics for ever)."""

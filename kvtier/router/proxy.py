@@ -34,6 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvtier.router.details import StreamStripper, strip_body
+from kvtier.router.finish import FinishWatch, of_doc
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                         "proxy-authorization", "te", "trailer", "trailers",
@@ -79,6 +80,8 @@ class Outcome:
     """The whole answer's JSON (status 200), or the streamed event that carried
     ``kv_transfer_params`` (none in vLLM 0.32)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+    """How the answer ended (its choices' ``finish_reason``), if it said."""
 
 
 def outgoing_headers(client: Mapping[str, str], authorization: str | None,
@@ -142,8 +145,9 @@ async def _whole(resp: aiohttp.ClientResponse, ours: Mapping[str, str],
         try:
             doc = json.loads(body)
             outcome.doc = doc if isinstance(doc, dict) else None
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
+        outcome.finish_reason = of_doc(outcome.doc)
     if strip_details:
         body = strip_body(body)
     out = web.Response(status=resp.status, reason=resp.reason, body=body,
@@ -168,7 +172,10 @@ async def _stream(resp: aiohttp.ClientResponse, ours: Mapping[str, str], client:
                              headers=_back_headers(resp.headers, ours))
     await out.prepare(client)
     chunk = first
+    finish = FinishWatch()
     while chunk:
+        finish.feed(chunk)
+        outcome.finish_reason = finish.reason
         if b'"kv_transfer_params"' in chunk:
             outcome.doc = _event_with_params(chunk) or outcome.doc
         data = stripper.feed(chunk) if stripper else chunk

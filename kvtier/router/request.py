@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtier.router.keys import NamespaceInfo, PromptKeys, Renderers, RequestKeys
-from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants
+from kvtier.router.tenants import OPEN, BadRequest, Tenant, Tenants, stamp_tenant
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
@@ -54,6 +54,8 @@ class RoutedRequest:
     session: str | None
     keys_of: RequestKeys
     tenant: Tenant = OPEN
+    session_key: bytes | None = None
+    """The session the router holds for it (:mod:`kvtier.router.sessions`), if any."""
 
     @classmethod
     def parse(cls, path: str, raw: bytes, session_header: str | None,
@@ -73,12 +75,20 @@ class RoutedRequest:
                     raw = json.dumps(body).encode()
             except RecursionError as exc:
                 raise BadRequest("the body is nested too deeply") from exc
+        elif body is not None and stamp_tenant(body, tenant):
+            raw = json.dumps(body).encode()
         endpoint = ENDPOINTS[path]
         session = session_header
         if not session and body is not None and isinstance(body.get("user"), str):
             session = body["user"] or None
         keys = RequestKeys(endpoint, body, renderers, len(raw))
         return cls(path, endpoint, raw, body, session, keys, tenant)
+
+    def rewritten(self, renderers: Renderers) -> None:
+        """The body was changed in place: its bytes (and what keys them) follow."""
+        assert self.body is not None
+        self.raw = json.dumps(self.body).encode()
+        self.keys_of = RequestKeys(self.endpoint, self.body, renderers, len(self.raw))
 
     @property
     def model(self) -> str | None:

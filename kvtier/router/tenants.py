@@ -34,8 +34,9 @@ from typing import Any
 import yaml
 
 from kvtier.auth import read_private_file, read_secrets
+from kvtier.config import parse
 from kvtier.errors import ConfigError
-from kvtier.hints import parse_retention
+from kvtier.hints import FinishRetention, parse_retention
 
 DEFAULT_TENANT = "default"
 DEFAULT_MAX_PRIORITY = 35
@@ -111,6 +112,7 @@ class Tenants:
         (or must be re-encoded). Raises :class:`BadRequest` for a salt or priority vLLM or the
         connector would not accept."""
         changed = _cap_priority(body, tenant.max_priority)
+        changed = stamp_tenant(body, tenant) | changed
         _check_release(tenant, body)
         if tenant.isolated:
             client_salt = body.get("cache_salt")
@@ -147,7 +149,29 @@ def _cap_priority(body: dict[str, Any], cap: int) -> bool:
         for i, token_range in enumerate(retention.get("ranges") or ()):
             changed = _cap(token_range, "priority", cap,
                            f"{where}.ranges[{i}].priority") | changed
+    finish = options.get("finish")
+    if isinstance(finish, dict):
+        for reason, retain in finish.items():
+            if isinstance(retain, dict):
+                changed = _cap(retain, "priority", cap, "kv_transfer_params.kvtier.finish."
+                               f"{reason}.priority") | changed
     return changed
+
+
+def stamp_tenant(body: dict[str, Any], tenant: Tenant) -> bool:
+    """Name the tenant in the request's ``kvtier`` options, if it has any (the store counts
+    retention above the default against that tenant's quota): a client never names another.
+    The open tenant is the store's ``default``: the name is taken out. True if changed."""
+    params = body.get("kv_transfer_params")
+    options = params.get("kvtier") if isinstance(params, dict) else None
+    if not isinstance(options, dict):
+        return False
+    if tenant is OPEN or (tenant.name == DEFAULT_TENANT and not tenant.isolated):
+        return options.pop("tenant", None) is not None
+    if options.get("tenant") == tenant.name:
+        return False
+    options["tenant"] = tenant.name
+    return True
 
 
 def _check_release(tenant: Tenant, body: dict[str, Any]) -> None:
@@ -165,6 +189,11 @@ def _check_retention(options: dict[str, Any]) -> None:
     if options.get("retention") is not None:
         try:
             parse_retention(options["retention"])
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from exc
+    if options.get("finish") is not None:
+        try:
+            parse(FinishRetention, options["finish"], "kv_transfer_params.kvtier.finish")
         except ConfigError as exc:
             raise BadRequest(str(exc)) from exc
     release = options.get("release", False)

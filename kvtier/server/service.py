@@ -167,7 +167,7 @@ class Service:
         slots = self.store.reserve(caller.owner, request.namespace_fp, request.keys,
                                    payload_len=request.payload_len, tokens=request.tokens,
                                    priority=request.priority, first_index=request.first_index,
-                                   retain_s=request.retain_s)
+                                   retain_s=request.retain_s, tenant=request.tenant)
         return ReserveReply(slots)
 
     @handles(Commit)
@@ -181,7 +181,7 @@ class Service:
     @handles(SetPriority)
     def _set_priority(self, caller: Caller, request: SetPriority) -> Reply:
         self.store.set_priority(request.keys, request.priority, request.retain_s,
-                                keep_stronger=request.keep_stronger)
+                                keep_stronger=request.keep_stronger, tenant=request.tenant)
         return CountReply(len(request.keys))
 
     @handles(Stats)

@@ -177,6 +177,11 @@ class ArenaIndex:
         a copy below takes with it."""
         return effective(entry.priority, entry.until, self.clock())
 
+    def pinned(self, key: Hashable) -> bool:
+        """Whether ``key`` is held here above the default priority now."""
+        entry = self.entries.get(key)  # type: ignore[call-overload]
+        return entry is not None and self.retention(entry)[0] > DEFAULT_PRIORITY
+
     def lasting_priority(self, entry: Entry) -> int:
         """The priority a chunk's header keeps (read back by a listing after a restart):
         a timed one is not kept past its time, so the header says the default."""

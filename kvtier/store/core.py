@@ -78,6 +78,7 @@ from kvtier.store.placement import (
     servable_tiers,
 )
 from kvtier.store.promotions import Promotions
+from kvtier.store.quotas import Quotas
 from kvtier.store.records import Entry, LeaseRecord, Where
 from kvtier.store.scan import bounded_scan, newest_that_fit
 from kvtier.store.sharing import Sharing
@@ -133,8 +134,10 @@ class TieredStore:
         self.leases = LeaseTable()
         self.promotions = Promotions(self.index, self.leases, self.metrics, self.apply, clock,
                                      self.keyring)
+        self.quotas = Quotas(config.retention_quotas, self.metrics)
+        """Bytes each tenant may hold above the default priority, per tier."""
         self.writes = Writes(self.index, self.tiers, self.metrics, self.apply, self._reading,
-                             self.keyring)
+                             self.keyring, self.quotas)
         self.loads = Loads(self.index, self.leases, self.promotions, self.writes, self.tiers,
                            self.metrics)
         write_back = any(t.write_back for t in self.tiers)
@@ -294,10 +297,12 @@ class TieredStore:
 
     def reserve(self, owner: int, namespace_fp: bytes, keys: Sequence[ChunkKey], *,
                 payload_len: int, tokens: int, priority: int = DEFAULT_PRIORITY,
-                first_index: int = 0, retain_s: float | None = None) -> list[int | None]:
+                first_index: int = 0, retain_s: float | None = None,
+                tenant: str | None = None) -> list[int | None]:
         """A slot for each key to write its payload into; ``None`` means skip that chunk
         (already stored or being stored, or no room). The chunks are kept at ``priority``
-        for ``retain_s`` seconds (``None``: until changed), then at the default.
+        for ``retain_s`` seconds (``None``: until changed), then at the default; those
+        beyond ``tenant``'s quota in the arena (:mod:`kvtier.store.quotas`) at the default.
 
         Raises InvalidRequest when the payload cannot fit a slot or a value is out of range.
         """
@@ -309,10 +314,16 @@ class TieredStore:
         until = retention.until(now)
         slots: list[int | None] = []
         with self._locked("reserve"):
+            pinned = len(keys)
+            if priority > DEFAULT_PRIORITY:
+                slot_bytes = self.index.arena.slot_bytes
+                pinned = self.quotas.admit(tenant, ARENA, keys, lambda _: slot_bytes,
+                                           self.index.pinned)
             try:
                 for i, key in enumerate(keys):
+                    asked = (priority, until) if i < pinned else (DEFAULT_PRIORITY, None)
                     slots.append(self._reserve_one(owner, key, deadline, namespace_fp,
-                                                   tokens, payload_len, (priority, until),
+                                                   tokens, payload_len, asked,
                                                    (first_index + i + 1) * tokens))
             except BaseException:
                 for key, slot in zip(keys, slots, strict=False):  # all or nothing
@@ -385,11 +396,14 @@ class TieredStore:
         return True
 
     def set_priority(self, keys: Sequence[ChunkKey], priority: int,
-                     retain_s: float | None = None, *, keep_stronger: bool = False) -> None:
+                     retain_s: float | None = None, *, keep_stronger: bool = False,
+                     tenant: str | None = None) -> None:
         """Move the held chunks of ``keys`` (a prefix, head first) to ``priority`` in every
         tier, for ``retain_s`` seconds (``None``: until changed), tail first, so that the
         chain still leaves tail first. A release is priority 0. With ``keep_stronger``, a
-        chunk held stronger in a tier (:func:`_lasting`) keeps what it has there."""
+        chunk held stronger in a tier (:func:`_lasting`) keeps what it has there. Above the
+        default, only the head of the chain within ``tenant``'s quota in each tier moves
+        (:mod:`kvtier.store.quotas`)."""
         check_keys(keys)
         retention = _retention(priority, retain_s)
         with self._locked("set_priority"):  # tail first: the chain keeps its order
@@ -399,16 +413,34 @@ class TieredStore:
             if keep_stronger:
                 held = [k for k in keys if (e := self.index.get(k)) is not None
                         and _lasting(self.index.retention(e)) < wanted]
+            if priority > DEFAULT_PRIORITY:
+                held = self._within_quota(tenant, ARENA, held, self.index.pinned)
             self.index.set_priorities(held, priority, until)
             for state in self.tiers:
                 held = keys
                 if keep_stronger:
                     held = [k for k in keys if (r := state.policy.retention(k)) is not None
                             and _lasting(r) < wanted]
+                if priority > DEFAULT_PRIORITY:
+                    held = self._within_quota(tenant, state.name, held, state.pinned)
                 state.set_priorities(held, priority, until)
         if priority == MIN_PRIORITY:
             self.metrics.retention_releases.inc(len(keys))
         self._set_gauges()
+
+    def _within_quota(self, tenant: str | None, tier: str, keys: Sequence[ChunkKey],
+                      pinned: Callable[[Hashable], bool]) -> Sequence[ChunkKey]:
+        """The head of ``keys`` that ``tenant`` may pin in ``tier`` (lock held)."""
+        if not self.quotas.active:
+            return keys
+        if tier == ARENA:
+            slot_bytes = self.index.arena.slot_bytes
+            present = [k for k in keys if k in self.index.entries]
+            return present[:self.quotas.admit(tenant, tier, present, lambda _: slot_bytes,
+                                              pinned)]
+        sizes = self.tiers_by_name[tier].books.sizes
+        present = [k for k in keys if k in sizes]
+        return present[:self.quotas.admit(tenant, tier, present, lambda k: sizes[k], pinned)]
 
     # ------------------------------------------------------------------ two-phase load
 
@@ -594,6 +626,7 @@ class TieredStore:
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the entries, the leases and the tiers disagree."""
         with self._locked("check_integrity"):
+            self.quotas.check_integrity()
             check_store(self.index, self.leases, self.reservations, self.tiers, self.writes,
                         self.promotions)
 

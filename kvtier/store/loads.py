@@ -105,7 +105,9 @@ class Loads:
             assert entry.reading is not None
             return LeaseItem(key, entry.slot, entry.reading, ItemState.PENDING)
         state = self.tiers_by_name[tier]
-        priority, until = state.policy.retention(key) or (DEFAULT_PRIORITY, None)
+        size = state.books.sizes.get(key, 0)
+        priority, until = self.writes.carried(
+            state.name, None, key, size, state.policy.retention(key) or (DEFAULT_PRIORITY, None))
         entry = self.writes.take(key, Where.PROMOTING, priority, until)
         if entry is None:
             self.metrics.store_refusals.labels("arena_full_promote").inc()

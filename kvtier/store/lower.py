@@ -230,6 +230,11 @@ class LowerTierState:
         """A use of a held chunk (a lease here, a peer's hit): later in the eviction order."""
         self.books.touch(key)
 
+    def pinned(self, key: Hashable) -> bool:
+        """Whether ``key`` is held here above the default priority now."""
+        held = self.books.policy.retention(key)
+        return held is not None and held[0] > DEFAULT_PRIORITY
+
     def set_priorities(self, keys: Sequence[ChunkKey], priority: int,
                        until: float | None = None) -> None:
         self.books.set_priorities(keys, priority, until)

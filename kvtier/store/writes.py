@@ -27,11 +27,13 @@ from kvtier.auth import Keyring
 from kvtier.codec import stored_size
 from kvtier.errors import TierError, TierFull
 from kvtier.keys import ChunkKey
+from kvtier.policies import DEFAULT_PRIORITY
 from kvtier.store.arena_index import ArenaIndex
 from kvtier.store.iopool import Job
 from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
 from kvtier.store.placement import Refusal, free_ahead, make_slot, write_targets
+from kvtier.store.quotas import ARENA_TIER, Quotas
 from kvtier.store.records import Entry, Where
 from kvtier.tiers.base import Space
 
@@ -46,8 +48,10 @@ DELETE_TRIES = 3
 class Writes:
     def __init__(self, index: ArenaIndex, tiers: list[LowerTierState], metrics: StoreMetrics,
                  apply: Apply, reading: Callable[[LowerTierState, Hashable], bool],
-                 keyring: Keyring | None = None) -> None:
+                 keyring: Keyring | None = None, quotas: Quotas | None = None) -> None:
         self.index = index
+        self.quotas = quotas
+        """Whose pins may come along with a copy (:mod:`kvtier.store.quotas`)."""
         self.keyring = keyring if any(s.tier.shared for s in tiers) else None
         """Signs every chunk sealed here when a shared tier may receive it."""
         self.tiers = tiers
@@ -250,12 +254,26 @@ class Writes:
             if error:
                 self.metrics.io_errors.labels(state.name, "write").inc()
         else:
-            priority, until = self.index.retention(entry)
+            priority, until = self.carried(ARENA_TIER, state, entry.key, written,
+                                           self.index.retention(entry))
             state.stored(entry.key, written, promised, priority, entry.namespace_fp, until)
             self.metrics.bytes.labels(state.name, "write").inc(written)
             self.metrics.io_seconds.labels(state.name, "write").observe(elapsed)
         if entry.demoting and not entry.writing:
             self._demoted(entry)
+
+    def carried(self, source: str, state: LowerTierState | None, key: ChunkKey, size: int,
+                retention: tuple[int, float | None]) -> tuple[int, float | None]:
+        """The retention a copy of ``key`` from ``source`` keeps in ``state`` (None: the
+        arena): the same, within the quota there of the tenant that pinned it, else the
+        default."""
+        if retention[0] <= DEFAULT_PRIORITY or self.quotas is None or not self.quotas.active:
+            return retention
+        if state is None:
+            ok = self.quotas.carry(source, ARENA_TIER, key, size, self.index.pinned)
+        else:
+            ok = self.quotas.carry(source, state.name, key, size, state.pinned)
+        return retention if ok else (DEFAULT_PRIORITY, None)
 
     def _late(self, state: LowerTierState) -> None:
         """The write runs past the timeout: a failure for the breaker (its own ending, if

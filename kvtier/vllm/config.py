@@ -24,14 +24,15 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from kvtier.codec import HEADER_SIZE, align_up
 from kvtier.config import ConfigStruct, ServerConfig, parse
 from kvtier.errors import ConfigError
-from kvtier.hints import RetentionHint
+from kvtier.hints import FinishRetention, RetentionHint
 
 _PLACEHOLDER_SLOT = HEADER_SIZE + 4096
 log = logging.getLogger("kvtier.vllm")
@@ -130,6 +131,11 @@ class RequestOptions(ConfigStruct, frozen=True):
     """Priority and duration for the prompt or token ranges of it (:mod:`kvtier.hints`)."""
     release: bool = False
     """The prefix is done: its chunks drop to priority 0 when the request finishes."""
+    finish: FinishRetention | None = None
+    """A retention per way the request may end, set on its chunks when it does (the
+    router's session retention: :mod:`kvtier.router.sessions`)."""
+    tenant: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    """Whose retention quota its chunks count against in the store (the router sets it)."""
 
     def __post_init__(self) -> None:
         if self.priority is not None and not 0 <= self.priority <= 100:

@@ -192,7 +192,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # blocks right away.
         if self._events is not None:
             self._events.untrack(request.request_id)
-        return False, self.sched.request_finished(request.request_id)
+        return False, self.sched.request_finished(request.request_id, _finish_reason(request))
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
@@ -399,3 +399,9 @@ def _start_embedded(cfg: ConnectorConfig, payload_len: int) -> Any:
 
 
 __all__ = ["KvtierConnector", "KvtierMetadata", "KvtierWorkerMeta"]
+
+
+def _finish_reason(request: Request) -> str | None:
+    """How the engine ended the request (``stop``, ``length``, ``abort``, ...), if it says."""
+    reason = request.get_finished_reason()
+    return None if reason is None else str(reason)

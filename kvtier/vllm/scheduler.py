@@ -339,7 +339,8 @@ class SchedulerSide:
         undo = Abort(mine) if mine else None
         priority, retain_s = retention
         reply = self.link.call(Reserve(self.ns.fingerprint, keys, self.layout.payload_len,
-                                       self.chunk_tokens, priority, start, retain_s), None,
+                                       self.chunk_tokens, priority, start, retain_s,
+                                       st.info.options.tenant), None,
                                undo=undo)
         slots = reply.slots if reply is not None else [None] * len(keys)
         granted = [(start + i, k, s) for i, (k, s) in enumerate(zip(keys, slots, strict=True))
@@ -422,8 +423,11 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ end of a request
 
-    def request_finished(self, req_id: str) -> dict[str, object] | None:
-        """The request is done: its accounting for kv_transfer_params, and cleanup."""
+    def request_finished(self, req_id: str, reason: str | None = None
+                         ) -> dict[str, object] | None:
+        """The request is done (``reason``: how it ended, one of
+        :data:`~kvtier.hints.FINISH_REASONS`, if known): its accounting for
+        kv_transfer_params, and cleanup."""
         st = self._reqs.get(req_id)
         if st is None:
             return None
@@ -432,7 +436,7 @@ class SchedulerSide:
             st.load.cancelled = True  # the worker must still report it (vLLM holds blocks)
         if st.load is None:
             del self._reqs[req_id]
-        self._retain_at_finish(st)
+        self._retain_at_finish(st, reason)
         # A report is a round trip to the node server inside vLLM's scheduler loop. An
         # engine that still runs other requests keeps stepping, and the periodic report
         # carries this one's counters within REPORT_EVERY_S; only one about to go idle
@@ -488,21 +492,26 @@ class SchedulerSide:
         return chunk_retentions(st.info.options.retention, len(keys), self.chunk_tokens,
                                 len(st.info.tokens), (self._priority(st), None))
 
-    def _retain_at_finish(self, st: ReqState) -> None:
+    def _retain_at_finish(self, st: ReqState, reason: str | None) -> None:
         """What the request asked for its prefix once it is answered: a release drops it to
         priority 0; a retention (or priority) is set again, its durations counted from now
         (the gap before the next turn), where it is stronger than what the chunk has (another
-        request's on a shared prefix stays). Runs from the tail, so the chain keeps its order."""
+        request's on a shared prefix stays); then the retention for how it ended
+        (``finish``), the same way. Runs from the tail, so the chain keeps its order."""
         options = st.info.options
-        if not st.keys or (options.priority is None and options.retention is None
-                           and not options.release):
+        if not st.keys:
             return
         if options.release:
             self.link.call(SetPriority(st.keys, RELEASED[0]), None)
             return
-        for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st))):
-            self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s,
-                                       keep_stronger=True), None)
+        if options.priority is not None or options.retention is not None:
+            for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st))):
+                self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s,
+                                           keep_stronger=True, tenant=options.tenant), None)
+        at_end = options.finish.of(reason) if options.finish is not None else None
+        if at_end is not None:
+            self.link.call(SetPriority(st.keys, at_end.priority, at_end.duration_s,
+                                       keep_stronger=True, tenant=options.tenant), None)
 
 
 def _runs_outside(start: int, end: int, skip: set[int]) -> list[tuple[int, int]]:

@@ -131,6 +131,9 @@ class StubBackend:
     in streams asking for usage)."""
     answer_headers: dict[str, str] = field(default_factory=dict)
     """Sent on every completion's answer (whole and streamed)."""
+    finish_reason: str | None = None
+    """How answers end (whole: ``length`` when unset; streams: their last token's event
+    says it only when set)."""
     seen: list[dict[str, Any]] = field(default_factory=list)
     health_headers: list[dict[str, str]] = field(default_factory=list)
     running: int = 0
@@ -207,7 +210,8 @@ class StubBackend:
             await asyncio.sleep(self.token_s * max(0, self.tokens - 1))
             return web.json_response(headers=self.answer_headers, data={
                 "id": "cmpl-stub", "object": "text_completion", "model": MODEL,
-                "choices": [{"index": 0, "text": " w" * self.tokens, "finish_reason": "length"}],
+                "choices": [{"index": 0, "text": " w" * self.tokens,
+                             "finish_reason": self.finish_reason or "length"}],
                 "usage": self._usage(body, self.tokens),
                 "kv_transfer_params": {"kvtier": {"tokens": sources}} if sources else None,
                 "served_by": self.url})
@@ -247,6 +251,8 @@ class StubBackend:
                                         + self.token_s_per_stream * (self.streaming - 1))
                 chunk = {"id": "cmpl-stub", "choices": [{"index": 0, "text": f" w{i}"}],
                          "served_by": self.url}
+                if self.finish_reason is not None and i == self.tokens - 1:
+                    chunk["choices"][0]["finish_reason"] = self.finish_reason
                 if options.get("continuous_usage_stats"):
                     chunk["usage"] = self._usage(body, i + 1)
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())

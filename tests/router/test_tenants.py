@@ -110,11 +110,12 @@ def test_priority_is_capped_and_bad_values_are_refused(tmp_path: Path) -> None:
 
             def with_priority(p: Any) -> dict[str, Any]:
                 return completion(kv_transfer_params={"kvtier": {"priority": p, "load": True}})
-            for key, asked, got in ((KEY_B, 90, 10), (KEY_B, 5, 5), (KEY_A, 90, 90)):
+            for key, asked, got, name in ((KEY_B, 90, 10, "bob"), (KEY_B, 5, 5, "bob"),
+                                          (KEY_A, 90, 90, "alice")):
                 status, _doc, _ = await post(s, url, with_priority(asked), auth(key))
                 assert status == 200
                 sent = backends[0].seen[-1]["body"]["kv_transfer_params"]["kvtier"]
-                assert sent == {"priority": got, "load": True}
+                assert sent == {"priority": got, "load": True, "tenant": name}
             seen = len(backends[0].seen)
             for bad in ("100", 100.0, True, -1, 101):
                 status, doc, _ = await post(s, url, with_priority(bad), auth(KEY_B))
@@ -180,11 +181,12 @@ def test_a_release_never_reaches_another_tenants_prefix(tmp_path: Path) -> None:
                 backends, tenants=tenants)) as router, aiohttp.ClientSession() as s:
             url = f"http://127.0.0.1:{router.port}/v1/completions"
             salts = []
-            for key in (KEY_A, KEY_B):
+            for key, name in ((KEY_A, "alice"), (KEY_B, "bob")):
                 status, _doc, _ = await post(s, url, completion(**release), auth(key))
                 assert status == 200
                 sent = backends[0].seen[-1]["body"]
-                assert sent["kv_transfer_params"] == release["kv_transfer_params"]
+                assert sent["kv_transfer_params"] == {"kvtier": {"release": True,
+                                                                 "tenant": name}}
                 salts.append(sent["cache_salt"])
             assert salts[0] != salts[1]
         async with stubs(1) as backends, running_router(router_config(

@@ -211,9 +211,10 @@ class FakeEngine:
                 tensor[req.blocks[b]] = torch.from_numpy(
                     block_pattern(req.info.tokens, b, layer, rank).copy())
 
-    def finish(self, req_id: str) -> dict[str, Any]:
-        """End the request; returns its ``kv_transfer_params["kvtier"]`` accounting."""
-        params = self.sched.request_finished(req_id)
+    def finish(self, req_id: str, reason: str | None = "stop") -> dict[str, Any]:
+        """End the request (as vLLM says it ended); returns its
+        ``kv_transfer_params["kvtier"]`` accounting."""
+        params = self.sched.request_finished(req_id, reason)
         if self.events is not None:
             self.events.untrack(req_id)
         req = self.reqs.pop(req_id)

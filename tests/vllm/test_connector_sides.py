@@ -16,7 +16,7 @@ from rig import BLOCK, CHUNK, FakeEngine, empty_step, step_for
 from store_helpers import disk_files, wait_until
 
 from kvtier.config import ServerConfig
-from kvtier.hints import RetentionHint, TokenRange
+from kvtier.hints import FinishRetention, Retain, RetentionHint, TokenRange
 from kvtier.keys import chunk_keys
 from kvtier.protocol import Report
 from kvtier.server import EmbeddedServer, NodeServer
@@ -323,6 +323,31 @@ def test_a_request_retention_reaches_each_range_and_a_release_drops_it(
     assert store.index.policy.order()[-3:] == keys[::-1]  # the head last: tail first
     stored_prompt(engine, release=True)
     assert [store.index.policy.retention(k) for k in keys] == [(0, None)] * 3
+
+
+def test_the_retention_for_how_a_request_ended_is_set_when_it_ends(
+        make_server: Any, engines: Any) -> None:
+    """The router's session retention: a turn that stops keeps its prefix at 60 for 600 s
+    from its end; one cut by ``length`` or aborted, which has no entry, keeps what it has;
+    a weaker finish retention never lowers a stronger one held by another request."""
+    server = make_server(slots=16)
+    engine = engines(server)
+    store = server.store
+    assert store is not None
+    keys = chunk_keys(engine.sched.ns.fingerprint, PROMPT, CHUNK)
+    finish = FinishRetention(stop=Retain(60, 600.0))
+    req = engine.add(PROMPT, finish=finish)
+    engine.run(req)
+    engine.finish(req, "abort")
+    assert [store.index.policy.retention(k) for k in keys] == [(35, None)] * 3
+    before = time.monotonic()
+    stored_prompt(engine, finish=finish)
+    held = [store.index.policy.retention(k) for k in keys]
+    assert [r[0] for r in held if r] == [60, 60, 60]
+    assert all(r and r[1] and r[1] >= before + 599 for r in held)
+    assert store.index.policy.order()[-3:] == keys[::-1]  # the head last: tail first
+    stored_prompt(engine, finish=FinishRetention(stop=Retain(40, 5.0), length=Retain(90)),)
+    assert [store.index.policy.retention(k) for k in keys] == held
 
 
 def test_the_scheduler_side_registers_its_namespace_with_each_server_start(

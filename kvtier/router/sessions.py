@@ -1,0 +1,234 @@
+"""Sessions: the router keeps a live session's prefix retained, and lets an ended one go.
+
+::
+
+    request ──► who: --session-header, else the body's ``user``, else its first messages
+            ──► X-Session-End: 1 ─► forgotten, nothing set (what it held expires by itself)
+            ──► kv_transfer_params.kvtier += retention (while it runs)
+                                            + finish.stop/length (set when it ends)
+                  after an answer that ended in tool calls: --session-tool-priority for
+                  --session-tool-s (the next turn comes within seconds); else the softer
+                  --session-turn-priority for --session-turn-s
+    answer  ──► its finish_reason (whole or streamed) is the session's last
+
+The engine cannot tell a tool call from an end of turn (both end on a stop token), so the
+retention set when an answer ends is chosen from the session's previous answer: a session
+inside a tool loop keeps the short, high one until an answer ends its turn. The connector
+sets it at the end with ``keep_stronger`` (:mod:`kvtier.hints`), so no retention of another
+session on a shared prefix is lowered, and it expires lazily in the store: an idle session
+(no request for --session-idle-s) needs nothing sent.
+
+The client's own ``retention``, ``priority``, ``release`` or ``finish`` wins (within its
+tenant's cap): the router then adds nothing. The router's priorities are capped by the
+tenant's ``max_priority`` too; a cap at or below the default (35) leaves nothing to set.
+The table holds at most --max-sessions sessions (the least recently seen leave first),
+keyed by a digest, never the client's string; a session header must be 1-128 visible ASCII
+characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.policies.retention import DEFAULT_PRIORITY, MAX_RETAIN_S
+from kvtier.router.finish import TOOL_CALLS
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.tenants import BadRequest, Tenant, stamp_tenant
+
+MAX_SESSION_CHARS = 128
+MAX_USER_CHARS = 256
+CLIENT_KEYS = ("retention", "priority", "release", "finish")
+"""A client that sets any of these in ``kv_transfer_params.kvtier`` decides for itself."""
+_TRUE = frozenset({"1", "true", "yes"})
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """``--session-*`` (docs/router.md, "Sessions")."""
+
+    retain: bool = False
+    """Whether the router sets retention for sessions at all (``--session-retention``)."""
+    end_header: str = "X-Session-End"
+    max_sessions: int = 10_000
+    idle_s: float = 900.0
+    prefix_messages: int = 2
+    """Without a header or ``user``: a chat is known by its first this many messages."""
+    prefix_chars: int = 2048
+    """... and a completion by its prompt's first this many characters (or token ids)."""
+    tool_priority: int = 80
+    tool_s: float = 120.0
+    turn_priority: int = 50
+    turn_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_sessions <= 10_000_000:
+            raise ConfigError(f"--max-sessions: must be in [1, 10000000], got "
+                              f"{self.max_sessions}")
+        for option, value in (("--session-idle-s", self.idle_s),
+                              ("--session-tool-s", self.tool_s),
+                              ("--session-turn-s", self.turn_s)):
+            if not 0 < value <= MAX_RETAIN_S:
+                raise ConfigError(f"{option}: must be in (0, {MAX_RETAIN_S:g}] seconds, "
+                                  f"got {value}")
+        for option, priority in (("--session-tool-priority", self.tool_priority),
+                                 ("--session-turn-priority", self.turn_priority)):
+            if not 0 <= priority <= 100:
+                raise ConfigError(f"{option}: must be an integer in [0, 100], got {priority}")
+        if not 1 <= self.prefix_messages <= 64:
+            raise ConfigError(f"--session-prefix-messages: must be in [1, 64], got "
+                              f"{self.prefix_messages}")
+        if not self.end_header or not self.end_header.isascii() or " " in self.end_header:
+            raise ConfigError(f"--session-end-header: expected a header name, got "
+                              f"{self.end_header!r}")
+
+
+@dataclass
+class Session:
+    last_seen: float
+    last_finish: str | None = None
+
+
+class Sessions:
+    """The live sessions (an LRU table) and what their requests get."""
+
+    def __init__(self, config: SessionConfig, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._metrics = metrics
+        self._clock = clock
+        self._table: OrderedDict[bytes, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    # ------------------------------------------------------------------ requests
+
+    def on_request(self, tenant: Tenant, header: str | None, end: str | None,
+                   body: dict[str, Any] | None, endpoint: str) -> tuple[bytes | None, bool]:
+        """The request's session (a digest, or None) and whether ``body`` was changed.
+        Raises :class:`BadRequest` for a session header that breaks the rules."""
+        key = self._identify(tenant, header, body, endpoint)
+        if key is None:
+            return None, False
+        now = self._clock()
+        self._expire(now)
+        if end is not None and end.strip().lower() in _TRUE:
+            if self._table.pop(key, None) is not None:
+                self._metrics.sessions_ended.labels("end").inc()
+            self._metrics.sessions_live.set(len(self._table))
+            return None, False
+        session = self._table.pop(key, None) or Session(now)
+        session.last_seen = now
+        self._table[key] = session
+        while len(self._table) > self.config.max_sessions:
+            self._table.popitem(last=False)
+            self._metrics.sessions_ended.labels("evicted").inc()
+        self._metrics.sessions_live.set(len(self._table))
+        changed = self.config.retain and body is not None and self._inject(tenant, session,
+                                                                             body)
+        return key, changed
+
+    def on_answer(self, key: bytes | None, finish_reason: str | None) -> None:
+        """The answer of a session's request ended with ``finish_reason``."""
+        session = self._table.get(key) if key is not None else None
+        if session is not None and finish_reason is not None:
+            session.last_finish = finish_reason
+
+    def tick(self) -> None:
+        """Forget idle sessions now (a /metrics scrape: the gauge is current)."""
+        self._expire(self._clock())
+        self._metrics.sessions_live.set(len(self._table))
+
+    def _expire(self, now: float) -> None:
+        """Forget sessions idle for --session-idle-s (least recently seen first)."""
+        while self._table:
+            key, oldest = next(iter(self._table.items()))
+            if now - oldest.last_seen < self.config.idle_s:
+                return
+            del self._table[key]
+            self._metrics.sessions_ended.labels("idle").inc()
+
+    def _inject(self, tenant: Tenant, session: Session, body: dict[str, Any]) -> bool:
+        params = body.get("kv_transfer_params")
+        if params is None:
+            params = body["kv_transfer_params"] = {}
+        if not isinstance(params, dict):
+            return False  # the backend answers what it makes of it
+        options = params.get("kvtier")
+        if options is None:
+            options = params["kvtier"] = {}
+        if not isinstance(options, dict) or any(k in options for k in CLIENT_KEYS):
+            self._metrics.session_retentions.labels("client").inc()
+            return False
+        cfg = self.config
+        tool = session.last_finish == TOOL_CALLS
+        priority = min(cfg.tool_priority if tool else cfg.turn_priority, tenant.max_priority)
+        duration = cfg.tool_s if tool else cfg.turn_s
+        if priority <= DEFAULT_PRIORITY:
+            self._metrics.session_retentions.labels("capped").inc()
+            return False
+        turn = {"priority": min(cfg.turn_priority, tenant.max_priority),
+                "duration_s": cfg.turn_s}
+        retain = {"priority": priority, "duration_s": duration}
+        options["retention"] = retain
+        options["finish"] = {"stop": retain, "length": turn}
+        stamp_tenant(body, tenant)
+        self._metrics.session_retentions.labels(TOOL_CALLS if tool else "turn").inc()
+        return True
+
+    # ------------------------------------------------------------------ identity
+
+    def _identify(self, tenant: Tenant, header: str | None, body: dict[str, Any] | None,
+                  endpoint: str) -> bytes | None:
+        if header is not None:
+            return _digest(tenant.name, "header", check_session(header))
+        user = body.get("user") if body is not None else None
+        if isinstance(user, str) and 0 < len(user) <= MAX_USER_CHARS:
+            return _digest(tenant.name, "user", user)
+        opening = self._opening(body, endpoint)
+        return None if opening is None else _digest(tenant.name, "prefix", opening)
+
+    def _opening(self, body: dict[str, Any] | None, endpoint: str) -> str | None:
+        """The conversation's first messages (chat) or its prompt's start (completions)."""
+        if body is None:
+            return None
+        head: object
+        if endpoint == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return None
+            head = messages[:self.config.prefix_messages]
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str | list) or not prompt:
+                return None
+            head = prompt[:self.config.prefix_chars]
+        try:
+            return json.dumps(head, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            return None
+
+    def check_integrity(self) -> None:
+        assert len(self._table) <= self.config.max_sessions
+        seen = [s.last_seen for s in self._table.values()]
+        assert seen == sorted(seen), "the table is not in order of last request"
+
+
+def check_session(value: str) -> str:
+    """A session header's value, or :class:`BadRequest` naming what is allowed."""
+    if not 0 < len(value) <= MAX_SESSION_CHARS or not value.isascii() \
+            or not all(33 <= ord(c) <= 126 for c in value):
+        raise BadRequest(f"session header: expected 1-{MAX_SESSION_CHARS} visible ASCII "
+                         f"characters (no spaces), got {len(value)} characters")
+    return value
+
+
+def _digest(tenant: str, source: str, value: str) -> bytes:
+    return hashlib.sha256(json.dumps([tenant, source, value]).encode()).digest()[:16]
