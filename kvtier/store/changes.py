@@ -6,7 +6,7 @@ subscribed when it was built (:meth:`~kvtier.store.lower.LowerTierState.subscrib
 
     change    when                                            event log    journal (here only)
     ADDED     a chunk entered the books: written here,        STORED       "+" with its size
-              found by a listing, or a peer's record
+              found by a listing, or a peer's record                       and retention
     REMOVED   a chunk left the books: evicted, forgotten,     REMOVED      -
               found lost
     DELETED   this server removed the chunk's bytes: its      -            "-"
@@ -28,6 +28,7 @@ import enum
 from typing import NamedTuple, Protocol
 
 from kvtier.keys import ChunkKey
+from kvtier.policies.retention import DEFAULT_PRIORITY
 
 
 class Change(enum.Enum):
@@ -51,6 +52,10 @@ class TierChange(NamedTuple):
     namespace: bytes
     size: int = 0
     """The chunk's size in the tier (ADDED only)."""
+    priority: int = DEFAULT_PRIORITY
+    """Its retention priority in the tier's books (ADDED only) ..."""
+    until: float | None = None
+    """... until then, on the store's clock (``None``: until changed)."""
 
 
 class TierListener(Protocol):
