@@ -111,7 +111,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._events = self._make_event_feed(link, ns.fingerprint)
         side = SchedulerSide(self.cfg, ns, self.layout, self.block_size, link,
                              info=_namespace_info(self._vllm_config),
-                             chunks_seen=self._events.chunks_seen if self._events else None)
+                             chunks_seen=self._events.chunks_seen if self._events else None,
+                             prefix_caching=bool(
+                                 self._vllm_config.cache_config.enable_prefix_caching))
         side.register()
         return side
 
@@ -162,7 +164,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if not self.sched.tracks(request.request_id):  # normally on_new_request did it
             self.on_new_request(request)
         n = self.sched.num_new_matched_tokens(request.request_id, num_computed_tokens)
-        return n, n > 0
+        return n, n is not None and n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

@@ -12,6 +12,9 @@ Rules it keeps (vLLM 0.32's contract, see docs/vllm.md):
   reports it, which it always does, also for a failed, late or aborted load.
 - A chunk that cannot be served (vanished, corrupt, promotion late, server down) is reported
   as failed blocks; vLLM (``kv_load_failure_policy="recompute"``) recomputes from there.
+- Forks: a request whose prefix another request of this engine is loading waits for that
+  load (``None``: vLLM asks again) and then shares its blocks through vLLM's prefix cache
+  (:mod:`kvtier.vllm.shared_loads`).
 - Load or recompute: the tail of a hit that would arrive later than recomputing it is not
   loaded (:mod:`kvtier.vllm.recompute`); its tokens are counted as skipped, by tier.
 - Stores: each step, the full prompt chunks that step computes are reserved (not those the
@@ -46,6 +49,7 @@ from kvtier.vllm.link import ServerLink
 from kvtier.vllm.loads import chunk_loads, make_job, readiness
 from kvtier.vllm.metadata import LoadJob, PayloadLayout, StepPlan, StoreJob, WorkerReport
 from kvtier.vllm.recompute import PrefillMeter, choose
+from kvtier.vllm.shared_loads import SharedLoads
 from kvtier.vllm.tracking import (
     Accounting,
     ChunkLoad,
@@ -90,7 +94,7 @@ class SchedulerSide:
                  block_size: int, link: ServerLink,
                  clock: Callable[[], float] = time.monotonic,
                  info: dict[str, str | int] | None = None,
-                 chunks_seen: ChunksSeen | None = None) -> None:
+                 chunks_seen: ChunksSeen | None = None, prefix_caching: bool = True) -> None:
         self.cfg = config
         self.ns = namespace
         self.layout = layout
@@ -103,6 +107,8 @@ class SchedulerSide:
         self._reqs: dict[str, ReqState] = {}
         self._loads: dict[str, ReqState] = {}
         self._pending: dict[bytes, _Pending] = {}
+        self.shared = SharedLoads(config.load_timeout_s, config.share_loads and prefix_caching)
+        """Loads in flight here, that requests for the same prefix wait for."""
         self.fences = StoreFences()
         self._link_failures_seen = 0
         self._reported_at = 0.0
@@ -121,9 +127,10 @@ class SchedulerSide:
     def tracks(self, req_id: str) -> bool:
         return req_id in self._reqs
 
-    def num_new_matched_tokens(self, req_id: str, num_computed: int) -> int:
-        """Tokens kvtier can serve beyond ``num_computed`` (0 if none). No side effects
-        beyond remembering the answer for :meth:`after_alloc`."""
+    def num_new_matched_tokens(self, req_id: str, num_computed: int) -> int | None:
+        """Tokens kvtier can serve beyond ``num_computed`` (0 if none; ``None``: ask again
+        later, another request is loading this one's prefix). No side effects beyond
+        remembering the answer for :meth:`after_alloc`."""
         st = self._reqs.get(req_id)
         if st is None:
             return 0
@@ -134,6 +141,11 @@ class SchedulerSide:
         start = num_computed // self.chunk_tokens
         if start >= len(keys):
             return 0
+        waits = self.shared.wait(req_id, keys[start], self.clock())
+        if waits is not None:
+            if waits:
+                self.counters.add("shared_load_waits")
+            return None
         if not st.looked_up:  # vLLM asks again while the request waits: counted once
             st.looked_up = True
             self.counters.add("query_tokens", len(st.info.tokens) - num_computed)
@@ -184,6 +196,8 @@ class SchedulerSide:
             bool(lease and lease.ready), now + self.cfg.load_timeout_s,
             now + self.cfg.faults.hold_loads_s, account=first)
         self._loads[req_id] = st
+        keys = self._keys(st)
+        self.shared.started(req_id, [keys[c.index] for c in st.load.chunks if c.slot is not None])
         if first:
             st.accounting.device = plan.local_tokens  # type: ignore[union-attr]
             for chunk in st.load.chunks:  # what kvtier provides beyond vLLM's own hit
@@ -373,6 +387,7 @@ class SchedulerSide:
 
     def _load_done(self, req_id: str) -> None:
         st = self._loads.pop(req_id, None)
+        self.shared.ended(req_id)
         if st is None or st.load is None:
             return
         if st.load.lease_id is not None:
@@ -428,6 +443,8 @@ class SchedulerSide:
         if st is None:
             return None
         st.finished = True
+        if st.load is None:
+            self.shared.ended(req_id)
         if st.load is not None and not st.load.emitted:
             st.load.cancelled = True  # the worker must still report it (vLLM holds blocks)
         if st.load is None:

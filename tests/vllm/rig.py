@@ -95,6 +95,7 @@ class FakeEngine:
     load_timeout_s: float = 5.0
     prefill_tokens_per_s: float = 0.0
     load_or_recompute: bool = True
+    share_loads: bool = True
     lane: Callable[[], Lane] | None = None
     """Run the workers' staged (CUDA) copier on this lane instead of the CPU copier."""
     feed: Callable[[ServerLink], KvEventFeed] | None = None
@@ -113,6 +114,7 @@ class FakeEngine:
                               retry_interval_s=0.05, load_timeout_s=self.load_timeout_s,
                               prefill_tokens_per_s=self.prefill_tokens_per_s,
                               load_or_recompute=self.load_or_recompute,
+                              share_loads=self.share_loads,
                               faults=FaultConfig(hold_loads_s=self.hold_loads_s))
         client = KvtierClient(self.socket, name="rig-scheduler", timeout_s=2.0)
         link = ServerLink(client, cfg.retry_interval_s)
