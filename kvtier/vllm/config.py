@@ -62,6 +62,9 @@ class ConnectorConfig(ConfigStruct, frozen=True):
     """After the server was unreachable, calls are skipped (misses) for this long."""
     load: bool = True
     store: bool = True
+    store_generated: bool = False
+    """Store full chunks of generated tokens too (a request with a decode retention always
+    has them stored): the next turn of a conversation starts with them."""
     share_loads: bool = True
     """A request whose prefix another request of this engine is loading waits for that load
     (at most ``load_timeout_s``) and shares its blocks (needs vLLM's prefix caching)."""

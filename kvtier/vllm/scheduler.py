@@ -19,13 +19,15 @@ Rules it keeps (vLLM 0.32's contract, see docs/vllm.md):
   loaded (:mod:`kvtier.vllm.recompute`); its tokens are counted as skipped, by tier.
 - Stores: each step, the full prompt chunks that step computes are reserved (not those the
   request loaded from kvtier: they are there); workers copy them after the forward; a chunk
-  is committed once every rank confirmed it, else aborted.
+  is committed once every rank confirmed it, else aborted. Chunks of generated tokens too,
+  for a request whose retention has a ``decode_priority`` (kept at it) or with
+  ``store_generated``: the next turn of a conversation starts with them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.hints import RELEASED, ChunkRetention, chunk_retentions, runs
@@ -81,6 +83,8 @@ class StepView:
     block_ids: Callable[[str], list[int] | None] = lambda _req_id: None
     reuse: Reuse = field(default_factory=Reuse)
     """Blocks vLLM hands out or overwrites this step (for :mod:`kvtier.vllm.fencing`)."""
+    tokens: Callable[[str], Sequence[int] | None] = lambda _req_id: None
+    """A request's token ids so far, prompt and generated (``None``: its prompt only)."""
 
 
 @dataclass
@@ -320,7 +324,8 @@ class SchedulerSide:
             st = self._reqs.get(sr.req_id)
             if st is None or not st.info.tokens or not st.info.options.store:
                 continue
-            done = min(sr.num_computed + sr.num_scheduled, len(st.info.tokens))
+            tokens = self._stored_tokens(st, step)
+            done = min(sr.num_computed + sr.num_scheduled, len(tokens))
             end = done // self.chunk_tokens
             if end <= st.stored_upto:
                 continue
@@ -329,23 +334,32 @@ class SchedulerSide:
                 continue
             end = min(end, len(block_ids) // bpc)
             start, st.stored_upto = st.stored_upto, max(st.stored_upto, end)
+            keys = self._keys_upto(st, end, tokens)
             for lo, hi in _runs_outside(start, end, st.in_kvtier):
-                jobs += self._reserve(st, lo, hi, block_ids)
+                jobs += self._reserve(st, lo, hi, block_ids, keys)
         return jobs
 
-    def _reserve(self, st: ReqState, start: int, end: int, block_ids: list[int]
-                 ) -> list[StoreJob]:
+    def _stored_tokens(self, st: ReqState, step: StepView) -> Sequence[int]:
+        """The tokens whose full chunks the request stores: its prompt, and what it
+        generated if it asked to keep that (or the connector stores it for all)."""
+        hint = st.info.options.retention
+        if not (self.cfg.store_generated or (hint is not None
+                                             and hint.decode_priority is not None)):
+            return st.info.tokens
+        return step.tokens(st.req_id) or st.info.tokens
+
+    def _reserve(self, st: ReqState, start: int, end: int, block_ids: list[int],
+                 keys: list[ChunkKey]) -> list[StoreJob]:
         """Reserve chunks [start, end): one call per run of equal retention."""
         jobs: list[StoreJob] = []
-        for lo, hi, retention in runs(self._retentions(st), start, end):
-            jobs += self._reserve_run(st, lo, hi, block_ids, retention)
+        for lo, hi, retention in runs(self._retentions(st, len(keys)), start, end):
+            jobs += self._reserve_run(st, keys[lo:hi], lo, block_ids, retention)
         return jobs
 
-    def _reserve_run(self, st: ReqState, start: int, end: int, block_ids: list[int],
-                     retention: ChunkRetention) -> list[StoreJob]:
-        if end <= start:
+    def _reserve_run(self, st: ReqState, keys: list[ChunkKey], start: int,
+                     block_ids: list[int], retention: ChunkRetention) -> list[StoreJob]:
+        if not keys:
             return []
-        keys = self._keys(st)[start:end]
         if self.chunks_seen is not None:
             self.chunks_seen(st.req_id, start, keys)
         # If the reply is lost, abort what it may have reserved (not other requests' stores).
@@ -498,12 +512,29 @@ class SchedulerSide:
         p = st.info.options.priority
         return self.cfg.priority if p is None else p
 
-    def _retentions(self, st: ReqState) -> list[ChunkRetention]:
-        """The retention of each chunk of the request's prompt (its hint, else its
-        priority, else the connector's)."""
+    def _keys_upto(self, st: ReqState, end: int, tokens: Sequence[int]) -> list[ChunkKey]:
+        """Keys of chunks [0, end) of ``tokens`` (the prompt's, and beyond it generated
+        tokens'; remembered for the retention at finish)."""
         keys = self._keys(st)
-        return chunk_retentions(st.info.options.retention, len(keys), self.chunk_tokens,
-                                len(st.info.tokens), (self._priority(st), None))
+        if end <= len(keys):
+            return keys
+        if st.generated_keys is None or len(st.generated_keys) < end:
+            st.generated_keys = chunk_keys(self.ns.fingerprint, tokens[:end * self.chunk_tokens],
+                                           self.chunk_tokens, st.info.extras)
+        return st.generated_keys
+
+    def _retentions(self, st: ReqState, n: int | None = None) -> list[ChunkRetention]:
+        """The retention of each of the first ``n`` chunks of the request (default: its
+        prompt's): its hint, else its priority, else the connector's; a chunk of generated
+        tokens only takes the hint's decode retention."""
+        n = len(self._keys(st)) if n is None else n
+        default = (self._priority(st), None)
+        hint = st.info.options.retention
+        out = chunk_retentions(hint, n, self.chunk_tokens, len(st.info.tokens), default)
+        if hint is not None and hint.decode_priority is None:
+            generated = -(-len(st.info.tokens) // self.chunk_tokens)
+            out[generated:] = [default] * max(0, n - generated)
+        return out
 
     def _retain_at_finish(self, st: ReqState) -> None:
         """What the request asked for its prefix once it is answered: a release drops it to
@@ -514,11 +545,14 @@ class SchedulerSide:
         if not st.keys or (options.priority is None and options.retention is None
                            and not options.release):
             return
+        keys = st.keys
+        if st.generated_keys is not None and st.stored_upto > len(keys):
+            keys = st.generated_keys[:st.stored_upto]
         if options.release:
-            self.link.call(SetPriority(st.keys, RELEASED[0]), None)
+            self.link.call(SetPriority(keys, RELEASED[0]), None)
             return
-        for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st))):
-            self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s,
+        for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st, len(keys)))):
+            self.link.call(SetPriority(keys[lo:hi], priority, retain_s,
                                        keep_stronger=True), None)
 
 

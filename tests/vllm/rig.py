@@ -85,6 +85,12 @@ class Req:
     computed: int = 0
     scheduled_once: bool = False
     loading: bool = False
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The prompt and what was generated so far."""
+        return self.info.tokens + tuple(self.generated)
 
 
 @dataclass
@@ -211,7 +217,22 @@ class FakeEngine:
         for rank, cache in enumerate(self.caches):
             for layer, tensor in enumerate(cache.values()):
                 tensor[req.blocks[b]] = torch.from_numpy(
-                    block_pattern(req.info.tokens, b, layer, rank).copy())
+                    block_pattern(req.tokens, b, layer, rank).copy())
+
+    def decode(self, req_id: str, tokens: list[int]) -> None:
+        """Generate ``tokens`` one step each, after the prompt: each step computes the KV
+        of the token generated before it (vLLM's decode)."""
+        req = self.reqs[req_id]
+        for token in tokens:
+            req.generated.append(token)
+            while len(req.blocks) * BLOCK < len(req.tokens):
+                req.blocks.append(self.free.pop(0))
+            step = StepView([ScheduledReq(req_id, req.computed, 1, False)],
+                            lambda r: self.reqs[r].blocks, Reuse(frozenset()),
+                            lambda r: self.reqs[r].tokens)
+            plan = self.sched.build_plan(step)
+            self.compute(req, req.computed, 1)
+            self.run_workers(plan)
 
     def finish(self, req_id: str) -> dict[str, Any]:
         """End the request; returns its ``kv_transfer_params["kvtier"]`` accounting."""
@@ -256,7 +277,7 @@ class FakeEngine:
         for rank, cache in enumerate(self.caches):
             for layer, tensor in enumerate(cache.values()):
                 for b in range(upto_block):
-                    want = block_pattern(req.info.tokens, b, layer, rank)
+                    want = block_pattern(req.tokens, b, layer, rank)
                     if not np.array_equal(tensor[req.blocks[b]].numpy(), want):
                         return False
         return True
