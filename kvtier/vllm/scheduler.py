@@ -518,10 +518,13 @@ class SchedulerSide:
         keys = self._keys(st)
         if end <= len(keys):
             return keys
-        if st.generated_keys is None or len(st.generated_keys) < end:
-            st.generated_keys = chunk_keys(self.ns.fingerprint, tokens[:end * self.chunk_tokens],
-                                           self.chunk_tokens, st.info.extras)
-        return st.generated_keys
+        known = st.generated_keys or keys
+        if len(known) < end:  # hash only the new chunks, resuming the chain
+            known = known + chunk_keys(
+                self.ns.fingerprint, tokens[:end * self.chunk_tokens], self.chunk_tokens,
+                st.info.extras, start=len(known), parent=known[-1] if known else None)
+            st.generated_keys = known
+        return known
 
     def _retentions(self, st: ReqState, n: int | None = None) -> list[ChunkRetention]:
         """The retention of each of the first ``n`` chunks of the request (default: its
