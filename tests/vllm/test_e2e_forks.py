@@ -47,3 +47,20 @@ def test_four_forks_of_a_prefix_on_disk_load_it_once(llm: Any, server: ServerPro
     assert all(cached >= CHUNKS * 256 for cached in forks.cached), "the others shared it"
     assert e2e.metric(llm, "vllm:kvtier_loaded_tokens") - loaded == CHUNKS * 256
     assert e2e.metric(llm, "vllm:kvtier_shared_load_waits") - waits == N - 1
+
+
+def test_without_sharing_each_fork_loads_the_prefix(demo_model: str,
+                                                    server: ServerProcess) -> None:
+    """The control: ``share_loads: false``, the same four at once each load it."""
+    llm = e2e.make_llm(demo_model, server.socket_path, share_loads=False)
+    try:
+        first = e2e.generate(llm, [FORK])
+        server.restart()
+        llm.reset_prefix_cache()
+        forks = e2e.generate(llm, [FORK] * N)
+        assert forks.tokens == [first.tokens[0]] * N
+        from_disk = [tier_tokens(acct, "disk") for acct in forks.kvtier]
+        assert sum(from_disk) > CHUNKS * 256, f"more than one load: {from_disk}"
+        assert e2e.metric(llm, "vllm:kvtier_shared_load_waits") == 0
+    finally:
+        e2e.close_llm(llm)
