@@ -12,6 +12,8 @@ subscribed when it was built (:meth:`~kvtier.store.lower.LowerTierState.subscrib
     DELETED   this server removed the chunk's bytes: its      -            "-"
               delete ran, a read quarantined it, it was swept
     USED      a chunk was read from the tier (a hit)          -            "t"
+    RETAINED  its retention was set here (held chunks,        -            "+" with it, if
+              tail first)                                                  above the default
 
 Every change says where it came from (:class:`Origin`): ``HERE`` (this server's own write,
 eviction, delete or hit), ``PEER`` (another server's journal record) or ``LISTING`` (a listing
@@ -36,6 +38,7 @@ class Change(enum.Enum):
     REMOVED = "removed"
     DELETED = "deleted"
     USED = "used"
+    RETAINED = "retained"
 
 
 class Origin(enum.Enum):
@@ -53,7 +56,7 @@ class TierChange(NamedTuple):
     size: int = 0
     """The chunk's size in the tier (ADDED only)."""
     priority: int = DEFAULT_PRIORITY
-    """Its retention priority in the tier's books (ADDED only) ..."""
+    """Its retention priority in the tier's books (ADDED, RETAINED) ..."""
     until: float | None = None
     """... until then, on the store's clock (``None``: until changed)."""
 

@@ -233,7 +233,16 @@ class LowerTierState:
 
     def set_priorities(self, keys: Sequence[ChunkKey], priority: int,
                        until: float | None = None) -> None:
+        """Re-prioritise the held chunks of ``keys`` (a chain, head first); each is
+        announced as retained here, tail first (a shared tier's peers keep it too)."""
         self.books.set_priorities(keys, priority, until)
+        if not self.listeners:
+            return
+        for key in reversed(keys):
+            size = self.books.sizes.get(key)
+            if size is not None:
+                self._announce(Change.RETAINED, Origin.HERE, key, self.namespaces[key], size,
+                               priority, until)
 
     def release(self, promised: int) -> None:
         """A write promised ``promised`` bytes by :meth:`make_room` stored nothing."""

@@ -15,7 +15,9 @@ room it deletes the chunks all of them would pick, and the total stays within
 the smallest id among fresh heartbeats also sweeps (:mod:`kvtier.store.sweeper`): namespace
 budgets, old journal notes, temporary objects of killed writers.
 
-This server's writes, deletes and hits reach the outbox as a listener of the tier's books
+This server's writes, deletes, hits and retentions (a ``+`` again, with the retention: a
+peer holding the chunk keeps it so, :mod:`kvtier.store.peer_retention`) reach the outbox as a
+listener of the tier's books
 (:meth:`Sharing.tier_changed`, :mod:`kvtier.store.changes`): only changes made ``HERE`` are
 recorded, so what was applied from the others' notes (``PEER``) or a listing is never
 echoed back.
@@ -165,6 +167,11 @@ class Sharing:
             self._add(journal.Record("-", change.namespace, change.key))
         elif change.change is Change.USED:
             self._used(change.key, change.namespace)
+        elif change.change is Change.RETAINED and change.priority > DEFAULT_PRIORITY:
+            priority, retain_s = self._retention(change)  # peers only raise theirs
+            if priority is not None:
+                self._add(journal.Record("+", change.namespace, change.key, change.size,
+                                         priority, retain_s))
 
     def _retention(self, change: TierChange) -> tuple[int | None, float | None]:
         """What a ``+`` record says of the chunk's retention: its priority and the seconds

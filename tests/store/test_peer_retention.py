@@ -55,6 +55,34 @@ def test_a_chunk_retained_by_its_writer_is_retained_in_every_readers_books(
     reader.check_integrity()
 
 
+def test_a_retention_set_later_reaches_the_readers_head_last(servers: Servers) -> None:
+    """A request's retention at finish (the writer's ``set_priority`` on chunks stored
+    before) is published too; each reader keeps the chain at it, capped, and touched tail
+    first, so the head is the most recent there as here. A release is not published."""
+    writer = servers("w")
+    reader = servers("r")
+    chain = keys(3, "chain")
+    store_chunks(writer, chain)
+    settle(writer)
+    assert wait_until(lambda: all(k in reader.tiers[0] for k in chain), 10.0)
+    assert [held(reader, k) for k in chain] == [(35, None)] * 3
+    writer.set_priority(chain, 90, 60.0)
+
+    def retained() -> bool:
+        return all((h := held(reader, k)) is not None and h[0] == 80 for k in chain)
+
+    assert wait_until(retained, 10.0), [held(reader, k) for k in chain]
+    for key in chain:
+        got = held(reader, key)
+        assert got is not None and got[1] is not None and 50.0 < got[1] <= 60.0, got
+    assert reader.tiers[0].policy.order()[-3:] == chain[::-1], "the head is the most recent"
+    writer.set_priority(chain, 0)
+    time.sleep(0.5)  # a few journal rounds: nothing lowers the reader's books
+    assert all((h := held(reader, k)) is not None and h[0] == 80 for k in chain)
+    reader.check_integrity()
+    writer.check_integrity()
+
+
 @FS_ONLY
 def test_a_hostile_peers_retention_is_capped_by_this_tier(servers: Servers) -> None:
     """Priority 100 for 1e9 s, and 'until changed', become the tier's caps."""
