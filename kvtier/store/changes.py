@@ -6,12 +6,14 @@ subscribed when it was built (:meth:`~kvtier.store.lower.LowerTierState.subscrib
 
     change    when                                            event log    journal (here only)
     ADDED     a chunk entered the books: written here,        STORED       "+" with its size
-              found by a listing, or a peer's record
+              found by a listing, or a peer's record                       and retention
     REMOVED   a chunk left the books: evicted, forgotten,     REMOVED      -
               found lost
     DELETED   this server removed the chunk's bytes: its      -            "-"
               delete ran, a read quarantined it, it was swept
     USED      a chunk was read from the tier (a hit)          -            "t"
+    RETAINED  its retention was set here (held chunks,        -            "+" with it, if
+              tail first)                                                  above the default
 
 Every change says where it came from (:class:`Origin`): ``HERE`` (this server's own write,
 eviction, delete or hit), ``PEER`` (another server's journal record) or ``LISTING`` (a listing
@@ -28,6 +30,7 @@ import enum
 from typing import NamedTuple, Protocol
 
 from kvtier.keys import ChunkKey
+from kvtier.policies.retention import DEFAULT_PRIORITY
 
 
 class Change(enum.Enum):
@@ -35,6 +38,7 @@ class Change(enum.Enum):
     REMOVED = "removed"
     DELETED = "deleted"
     USED = "used"
+    RETAINED = "retained"
 
 
 class Origin(enum.Enum):
@@ -51,6 +55,10 @@ class TierChange(NamedTuple):
     namespace: bytes
     size: int = 0
     """The chunk's size in the tier (ADDED only)."""
+    priority: int = DEFAULT_PRIORITY
+    """Its retention priority in the tier's books (ADDED, RETAINED) ..."""
+    until: float | None = None
+    """... until then, on the store's clock (``None``: until changed)."""
 
 
 class TierListener(Protocol):

@@ -4,7 +4,10 @@ Each server batches its records for ``journal_interval_s`` and writes them as on
 
     journal/<wall clock ms, 13 digits>-<server id>-<sequence>    msgpack [[op, ns, key, size], ...]
 
-    op "+"  the server wrote chunk (ns, key) of ``size`` bytes
+    op "+"  the server wrote chunk (ns, key) of ``size`` bytes; a chunk it keeps at another
+            than the default priority has two more fields: [..., priority, retain_s], the
+            priority (0-100) and for how many seconds after the note it holds (nil: until
+            changed); notes of older servers, without them, read as before
     op "-"  the server deleted it (evicted, swept, found corrupt or missing)
     op "t"  the server used it (a hit): its recency moves up
 
@@ -21,11 +24,14 @@ Notes are written by other servers, so they are untrusted input (docs/security.m
 checks a note's size before fetching it (``MAX_NOTE_BYTES``), decodes and validates it
 outside the store lock, drops records that do not parse or whose size cannot be a chunk of
 its tier's slot geometry (:func:`plausible`), and with a cluster secret applies only notes
-signed with it (:mod:`kvtier.auth`). A note holds at most ``MAX_RECORDS`` records.
+signed with it (:mod:`kvtier.auth`). A note holds at most ``MAX_RECORDS`` records. A record's
+retention is checked here (an integer priority in 0-100, a finite positive duration, else the
+record is dropped) and capped by the reader's tier (:mod:`kvtier.store.peer_retention`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ from typing import Any
 import msgspec
 
 from kvtier.keys import ChunkKey
+from kvtier.policies.retention import MAX_PRIORITY, MIN_PRIORITY
 
 PREFIX = "journal/"
 SKEW_S = 30.0
@@ -50,6 +57,10 @@ class Record:
     namespace: bytes
     key: ChunkKey
     size: int = 0
+    priority: int | None = None
+    """A ``+`` of a retained chunk: its priority (``None``: the default)."""
+    retain_s: float | None = None
+    """... held that many seconds from now (``None``: until changed)."""
 
 
 def note_name(ms: int, server: str, seq: int) -> str:
@@ -68,13 +79,27 @@ def start_after(ms: int) -> str:
 
 
 def encode(records: list[Record]) -> bytes:
-    return msgspec.msgpack.encode([[r.op, r.namespace, r.key, r.size] for r in records])
+    return msgspec.msgpack.encode([
+        [r.op, r.namespace, r.key, r.size] if r.priority is None
+        else [r.op, r.namespace, r.key, r.size, r.priority, r.retain_s] for r in records])
 
 
-Line = tuple[str, bytes, ChunkKey, int]
-"""One record of a note as a reader applies it: (op, namespace, key, size). A plain tuple of
-plain values, which the garbage collector stops tracking at its first pass: a flood of
-records leaves no long-lived objects behind to make full collections come sooner."""
+Line = tuple[str, bytes, ChunkKey, int, int | None, float | None]
+"""One record of a note as a reader applies it: (op, namespace, key, size, priority,
+retain_s), the last two ``None`` for a record without retention. A plain tuple of plain
+values, which the garbage collector stops tracking at its first pass: a flood of records
+leaves no long-lived objects behind to make full collections come sooner."""
+
+
+class _Retained(msgspec.Struct, array_like=True):
+    """A record as written, with or without retention (fields past these are ignored)."""
+
+    op: str
+    namespace: bytes
+    key: bytes
+    size: int
+    priority: int | None = None
+    retain_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +110,9 @@ class Decoded:
 
 
 _WHOLE = msgspec.msgpack.Decoder(list[tuple[str, bytes, bytes, int]])
+_MIXED = msgspec.msgpack.Decoder(list[_Retained])
 _LIST = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_ONE = msgspec.msgpack.Decoder(tuple[str, bytes, bytes, int])
+_ONE = msgspec.msgpack.Decoder(_Retained)
 
 
 def decode(data: bytes, plausible: Callable[[int], bool] = lambda _size: True) -> Decoded:
@@ -96,7 +122,22 @@ def decode(data: bytes, plausible: Callable[[int], bool] = lambda _size: True) -
     is verified). A note of well-formed entries is decoded in one call; one with a
     malformed entry, entry by entry."""
     try:
-        lines: list[Any] = _WHOLE.decode(data)
+        plain: list[Any] = _WHOLE.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _retained(data, plausible)
+    if len(plain) > MAX_RECORDS:
+        return Decoded([], len(plain))
+    out: list[Line] = [
+        (op, ns, key, size, None, None) for op, ns, key, size in plain
+        if op in OPS and len(ns) == 32 and len(key) == 32 and size >= 0
+        and (op != "+" or plausible(size))]
+    return Decoded(out, len(plain) - len(out))
+
+
+def _retained(data: bytes, plausible: Callable[[int], bool]) -> Decoded:
+    """A note with retained records (one call), else one with a malformed entry."""
+    try:
+        whole = _MIXED.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         try:
             raw = _LIST.decode(data)
@@ -104,16 +145,20 @@ def decode(data: bytes, plausible: Callable[[int], bool] = lambda _size: True) -
             return Decoded([], 1)
         if len(raw) > MAX_RECORDS:
             return Decoded([], len(raw))
-        lines = [line for line in map(_one, raw) if line is not None]
-        return _valid(lines, len(raw), plausible)
-    if len(lines) > MAX_RECORDS:
-        return Decoded([], len(lines))
-    return _valid(lines, len(lines), plausible)
+        return _valid([line for line in map(_one, raw) if line is not None], len(raw),
+                      plausible)
+    if len(whole) > MAX_RECORDS:
+        return Decoded([], len(whole))
+    return _valid([_line(r) for r in whole], len(whole), plausible)
 
 
-def _one(item: msgspec.Raw) -> tuple[str, bytes, bytes, int] | None:
+def _line(r: _Retained) -> tuple[Any, ...]:
+    return r.op, r.namespace, r.key, r.size, r.priority, r.retain_s
+
+
+def _one(item: msgspec.Raw) -> tuple[Any, ...] | None:
     try:
-        return _ONE.decode(item)
+        return _line(_ONE.decode(item))
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
 
@@ -122,5 +167,15 @@ def _valid(lines: list[Any], entries: int, plausible: Callable[[int], bool]) -> 
     out: list[Line] = [
         line for line in lines
         if line[0] in OPS and len(line[1]) == 32 and len(line[2]) == 32 and line[3] >= 0
-        and (line[0] != "+" or plausible(line[3]))]
+        and (line[0] != "+" or plausible(line[3])) and _retention_ok(line[4], line[5])]
     return Decoded(out, entries - len(out))
+
+
+def _retention_ok(priority: int | None, retain_s: float | None) -> bool:
+    """No retention, or a priority in 0-100 with no duration or a finite positive one (a
+    huge one is capped by the reader, never refused)."""
+    if priority is None:
+        return retain_s is None
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        return False
+    return retain_s is None or (math.isfinite(retain_s) and retain_s > 0)

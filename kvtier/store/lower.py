@@ -103,9 +103,10 @@ class LowerTierState:
         self.listeners.append(listener)
 
     def _announce(self, change: Change, origin: Origin, key: ChunkKey, namespace: bytes,
-                  size: int = 0) -> None:
+                  size: int = 0, priority: int = DEFAULT_PRIORITY,
+                  until: float | None = None) -> None:
         if self.listeners:
-            told = TierChange(change, origin, self.name, key, namespace, size)
+            told = TierChange(change, origin, self.name, key, namespace, size, priority, until)
             for listener in self.listeners:
                 listener.tier_changed(told)
 
@@ -237,7 +238,16 @@ class LowerTierState:
 
     def set_priorities(self, keys: Sequence[ChunkKey], priority: int,
                        until: float | None = None) -> None:
+        """Re-prioritise the held chunks of ``keys`` (a chain, head first); each is
+        announced as retained here, tail first (a shared tier's peers keep it too)."""
         self.books.set_priorities(keys, priority, until)
+        if not self.listeners:
+            return
+        for key in reversed(keys):
+            size = self.books.sizes.get(key)
+            if size is not None:
+                self._announce(Change.RETAINED, Origin.HERE, key, self.namespaces[key], size,
+                               priority, until)
 
     def release(self, promised: int) -> None:
         """A write promised ``promised`` bytes by :meth:`make_room` stored nothing."""
@@ -311,7 +321,7 @@ class LowerTierState:
         self.books.add(key, size, promised, priority, peer=peer, until=until)
         self.namespaces[key] = (self._interned.get(namespace, namespace) if peer is not None
                                 else self._interned.setdefault(namespace, namespace))
-        self._announce(Change.ADDED, origin, key, namespace, size)
+        self._announce(Change.ADDED, origin, key, namespace, size, priority, until)
 
     def index(self, key: ChunkKey, size: int, priority: int, namespace: bytes) -> None:
         """A chunk a listing found in the tier: account it, oldest first (one held as a
@@ -321,14 +331,28 @@ class LowerTierState:
             return
         self._add(key, size, 0, priority, namespace, Origin.LISTING)
 
-    def book(self, key: ChunkKey, size: int, namespace: bytes, peer: str) -> Limit | None:
+    def book(self, key: ChunkKey, size: int, namespace: bytes, peer: str,
+             retention: tuple[int, float | None] = (DEFAULT_PRIORITY, None)) -> Limit | None:
         """Another server's journal record says ``peer`` wrote ``key`` (not held here):
-        account it as that peer's booking, newest first; or, past a bound, refuse it
+        account it as that peer's booking, newest first, at ``retention`` (priority, until:
+        already capped, :mod:`kvtier.store.peer_retention`); or, past a bound, refuse it
         (returns which bound)."""
         refused = self.books.bookings.refusal(peer, size)
         if refused is None:
-            self._add(key, size, 0, DEFAULT_PRIORITY, namespace, Origin.PEER, peer=peer)
+            priority, until = retention
+            self._add(key, size, 0, priority, namespace, Origin.PEER, peer=peer, until=until)
         return refused
+
+    def retain(self, key: ChunkKey, priority: int, until: float) -> None:
+        """A peer retained ``key`` (held here) at ``priority`` until ``until`` (capped
+        already): kept so where that lasts longer than what it has (a stronger retention
+        it has stays)."""
+        held = self.policy.retention(key)
+        if held is None:
+            return
+        mine = (held[0], float("inf") if held[1] is None else held[1])
+        if (priority, until) > mine:
+            self.books.set_priorities([key], priority, until)
 
     def forget(self, key: ChunkKey, *, origin: Origin) -> bytes | None:
         """Drop ``key`` from the books (deleted, corrupt, missing; ``origin``: who says so);

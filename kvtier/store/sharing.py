@@ -15,7 +15,9 @@ room it deletes the chunks all of them would pick, and the total stays within
 the smallest id among fresh heartbeats also sweeps (:mod:`kvtier.store.sweeper`): namespace
 budgets, old journal notes, temporary objects of killed writers.
 
-This server's writes, deletes and hits reach the outbox as a listener of the tier's books
+This server's writes, deletes, hits and retentions (a ``+`` again, with the retention: a
+peer holding the chunk keeps it so, :mod:`kvtier.store.peer_retention`) reach the outbox as a
+listener of the tier's books
 (:meth:`Sharing.tier_changed`, :mod:`kvtier.store.changes`): only changes made ``HERE`` are
 recorded, so what was applied from the others' notes (``PEER``) or a listing is never
 echoed back.
@@ -50,12 +52,14 @@ import msgspec
 from kvtier.auth import Keyring, NoteRefusal, Why
 from kvtier.errors import NoteTooLarge, TierError
 from kvtier.keys import ChunkKey
+from kvtier.policies.retention import DEFAULT_PRIORITY
 from kvtier.store import journal
 from kvtier.store.bookings import Limit
 from kvtier.store.changes import Change, Origin, TierChange
 from kvtier.store.iopool import IOPool, Job
 from kvtier.store.locking import Apply
 from kvtier.store.lower import LowerTierState
+from kvtier.store.peer_retention import Caps, capped
 from kvtier.store.sweeper import HEARTBEAT_S, SERVERS, sweep, sweeper_of
 from kvtier.tiers.base import StoredChunk
 from kvtier.tiers.shared import SharedTier
@@ -156,11 +160,28 @@ class Sharing:
         if change.origin is not Origin.HERE:
             return
         if change.change is Change.ADDED:
-            self._add(journal.Record("+", change.namespace, change.key, change.size))
+            priority, retain_s = self._retention(change)
+            self._add(journal.Record("+", change.namespace, change.key, change.size,
+                                     priority, retain_s))
         elif change.change is Change.DELETED:
             self._add(journal.Record("-", change.namespace, change.key))
         elif change.change is Change.USED:
             self._used(change.key, change.namespace)
+        elif change.change is Change.RETAINED and change.priority > DEFAULT_PRIORITY:
+            priority, retain_s = self._retention(change)  # peers only raise theirs
+            if priority is not None:
+                self._add(journal.Record("+", change.namespace, change.key, change.size,
+                                         priority, retain_s))
+
+    def _retention(self, change: TierChange) -> tuple[int | None, float | None]:
+        """What a ``+`` record says of the chunk's retention: its priority and the seconds
+        left (``None, None``: the default, or run out)."""
+        if change.priority == DEFAULT_PRIORITY:
+            return None, None
+        if change.until is None:
+            return change.priority, None
+        left = change.until - self.state.clock()
+        return (change.priority, left) if left > 0 else (None, None)
 
     def _used(self, key: ChunkKey, namespace: bytes) -> None:
         """A hit: tell the others (and the backend's recency) at most once per interval."""
@@ -190,12 +211,16 @@ class Sharing:
         the changes are the peer's (``PEER``), not recorded here again."""
         state = self.state
         refused: dict[Limit, int] = {}
-        for op, namespace, key, size in records:
+        for op, namespace, key, size, priority, until in records:
             if op == "+":
                 if key in state:
                     state.touch(key)
+                    if priority is not None and until is not None:
+                        state.retain(key, priority, until)
                 elif key not in state.deleting:
-                    limit = state.book(key, size, namespace, peer)
+                    retention = (DEFAULT_PRIORITY, None) if priority is None else (priority,
+                                                                                   until)
+                    limit = state.book(key, size, namespace, peer, retention)
                     if limit is not None:
                         refused[limit] = refused.get(limit, 0) + 1
             elif op == "-":
@@ -345,7 +370,7 @@ class Sharing:
             self._seen[name] = ms
             return
         if server != self.server:
-            records = self._fetch(name)
+            records = self._capped(self._fetch(name), (now_ms - ms) / 1000)
             self._in_batches(functools.partial(self.apply_records, peer=server), records)
         self._seen[name] = ms
         self._advance(ms, now_ms)
@@ -372,6 +397,23 @@ class Sharing:
                          f"journal note {name} holds {decoded.dropped} records that do not "
                          f"parse or name a size no chunk here can have")
         return decoded.records
+
+    def _capped(self, records: list[journal.Line], age_s: float) -> list[journal.Line]:
+        """The records of a note ``age_s`` old, each retention capped by this tier's
+        options and turned into a deadline on the store's clock (outside the lock)."""
+        if all(line[4] is None for line in records):
+            return records
+        caps = Caps(self.opts.max_peer_priority, self.opts.max_peer_retention_s)
+        now = self.state.clock()
+        out: list[journal.Line] = []
+        for line in records:
+            op, namespace, key, size, priority, retain_s = line
+            if priority is not None:
+                kept = capped(priority, retain_s, age_s, caps)
+                line = ((op, namespace, key, size, None, None) if kept is None
+                        else (op, namespace, key, size, kept[0], now + kept[1]))
+            out.append(line)
+        return out
 
     def _advance(self, ms: int, now_ms: int) -> None:
         """Move the cursor to a note applied, never past this server's clock: a note dated

@@ -42,6 +42,7 @@ import msgspec
 from kvtier.config import ConfigStruct, parse, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, ChunkKey
+from kvtier.policies.retention import MAX_RETAIN_S
 from kvtier.tiers.base import LowerTier, StoredChunk
 
 if TYPE_CHECKING:
@@ -82,6 +83,12 @@ class SharingOptions(ConfigStruct, frozen=True):
     max_clock_skew_s: float = 30.0
     """Heartbeats and notes dated further than this ahead of this server's clock are
     ignored (a wrong or forged clock must not win the sweeper election) and swept."""
+    max_peer_priority: int = 80
+    """The highest retention priority (0-100) this server's books give a chunk because
+    another server's journal retained it; higher is capped to this."""
+    max_peer_retention_s: float = 600.0
+    """The longest a peer's retention holds here (seconds; longer, or until changed, is
+    capped to this)."""
     tier_id: str | None = None
     """Names this tier in the MACs of its notes (with a cluster secret), the same string on
     every server of the tier and a different one on every other tier signed with the same
@@ -94,9 +101,16 @@ class SharingOptions(ConfigStruct, frozen=True):
             msgspec.structs.force_setattr(self, "namespace_bytes",
                                           parse_size(self.namespace_bytes, "namespace_bytes"))
         for name in ("journal_interval_s", "poll_s", "touch_interval_s", "sweep_interval_s",
-                     "journal_keep_s", "stale_temp_s", "max_clock_skew_s"):
+                     "journal_keep_s", "stale_temp_s", "max_clock_skew_s",
+                     "max_peer_retention_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if not 0 <= self.max_peer_priority <= 100:
+            raise ConfigError(f"max_peer_priority must be in [0, 100], got "
+                              f"{self.max_peer_priority}")
+        if self.max_peer_retention_s > MAX_RETAIN_S:
+            raise ConfigError(f"max_peer_retention_s must be at most {MAX_RETAIN_S:g} s, got "
+                              f"{self.max_peer_retention_s:g}")
         if self.journal_keep_s < 10 * self.poll_s:
             raise ConfigError("journal_keep_s must be at least 10 x poll_s")
         if self.tier_id is not None and not TIER_ID.fullmatch(self.tier_id):

@@ -63,6 +63,12 @@ class ConnectorConfig(ConfigStruct, frozen=True):
     """After the server was unreachable, calls are skipped (misses) for this long."""
     load: bool = True
     store: bool = True
+    store_generated: bool = False
+    """Store full chunks of generated tokens too (a request with a decode retention always
+    has them stored): the next turn of a conversation starts with them."""
+    share_loads: bool = True
+    """A request whose prefix another request of this engine is loading waits for that load
+    (at most ``load_timeout_s``) and shares its blocks (needs vLLM's prefix caching)."""
     load_or_recompute: bool = True
     """Skip the tail of a hit that would arrive later than recomputing it."""
     prefill_tokens_per_s: float = 0.0

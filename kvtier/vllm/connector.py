@@ -10,7 +10,7 @@ objects and delegates: :class:`~kvtier.vllm.scheduler.SchedulerSide` plans loads
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,6 +90,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._events: KvEventFeed | None = None
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._requests: dict[str, Request] = {}
+        """Requests being served, for their generated tokens (scheduler side)."""
         if role == KVConnectorRole.SCHEDULER:
             self._sched = self._make_scheduler_side()
         else:
@@ -111,7 +113,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._events = self._make_event_feed(link, ns.fingerprint)
         side = SchedulerSide(self.cfg, ns, self.layout, self.block_size, link,
                              info=_namespace_info(self._vllm_config),
-                             chunks_seen=self._events.chunks_seen if self._events else None)
+                             chunks_seen=self._events.chunks_seen if self._events else None,
+                             prefix_caching=bool(
+                                 self._vllm_config.cache_config.enable_prefix_caching))
         side.register()
         return side
 
@@ -154,6 +158,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         self.sched.track(_request_info(request))
+        self._requests[request.request_id] = request
         if self._events is not None:
             self._events.track(request)
 
@@ -162,7 +167,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if not self.sched.tracks(request.request_id):  # normally on_new_request did it
             self.on_new_request(request)
         n = self.sched.num_new_matched_tokens(request.request_id, num_computed_tokens)
-        return n, n > 0
+        return n, n is not None and n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -178,7 +183,12 @@ class KvtierConnector(KVConnectorBase_V1):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KvtierMetadata(self.sched.build_plan(_step_view(scheduler_output)))
+        return KvtierMetadata(self.sched.build_plan(_step_view(scheduler_output,
+                                                               self._tokens)))
+
+    def _tokens(self, req_id: str) -> Sequence[int] | None:
+        request = self._requests.get(req_id)
+        return None if request is None else request.all_token_ids
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -192,6 +202,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # blocks right away.
         if self._events is not None:
             self._events.untrack(request.request_id)
+        self._requests.pop(request.request_id, None)
         return False, self.sched.request_finished(request.request_id, _finish_reason(request))
 
     def has_pending_push_work(self) -> bool:
@@ -313,14 +324,15 @@ def _scheduled(out: SchedulerOutput) -> Iterator[ScheduledReq]:
         yield ScheduledReq(req_id, computed, n.get(req_id, 0), False)
 
 
-def _step_view(out: SchedulerOutput) -> StepView:
+def _step_view(out: SchedulerOutput,
+               tokens: Callable[[str], Sequence[int] | None] = lambda _r: None) -> StepView:
     state = out.kv_connector_block_state
 
     def block_ids(req_id: str) -> list[int] | None:
         groups = state.get_block_ids(req_id) if state is not None else None
         return list(groups[0]) if groups else None
 
-    return StepView(list(_scheduled(out)), block_ids, _reuse(out))
+    return StepView(list(_scheduled(out)), block_ids, _reuse(out), tokens)
 
 
 def _reuse(out: SchedulerOutput) -> Reuse:

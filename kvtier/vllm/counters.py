@@ -23,6 +23,9 @@ METRICS: dict[str, tuple[str, bool]] = {
                                       "have been slower, by tier", True),
     "cancelled_loads": ("Loads dropped because their request ended first (e.g. aborted)",
                         False),
+    "shared_load_waits": ("Requests that waited for another request's load of their prefix "
+                          "(forks: the same context sent at once), to share its blocks",
+                          False),
     "stored_chunks": ("Chunks stored into kvtier (committed)", False),
     "skipped_store_chunks": ("Chunks not stored: present, stored by another engine, or no room",
                              False),

@@ -12,17 +12,22 @@ Rules it keeps (vLLM 0.32's contract, see docs/vllm.md):
   reports it, which it always does, also for a failed, late or aborted load.
 - A chunk that cannot be served (vanished, corrupt, promotion late, server down) is reported
   as failed blocks; vLLM (``kv_load_failure_policy="recompute"``) recomputes from there.
+- Forks: a request whose prefix another request of this engine is loading waits for that
+  load (``None``: vLLM asks again) and then shares its blocks through vLLM's prefix cache
+  (:mod:`kvtier.vllm.shared_loads`).
 - Load or recompute: the tail of a hit that would arrive later than recomputing it is not
   loaded (:mod:`kvtier.vllm.recompute`); its tokens are counted as skipped, by tier.
 - Stores: each step, the full prompt chunks that step computes are reserved (not those the
   request loaded from kvtier: they are there); workers copy them after the forward; a chunk
-  is committed once every rank confirmed it, else aborted.
+  is committed once every rank confirmed it, else aborted. Chunks of generated tokens too,
+  for a request whose retention has a ``decode_priority`` (kept at it) or with
+  ``store_generated``: the next turn of a conversation starts with them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.hints import RELEASED, ChunkRetention, chunk_retentions, runs
@@ -46,6 +51,7 @@ from kvtier.vllm.link import ServerLink
 from kvtier.vllm.loads import chunk_loads, make_job, readiness
 from kvtier.vllm.metadata import LoadJob, PayloadLayout, StepPlan, StoreJob, WorkerReport
 from kvtier.vllm.recompute import PrefillMeter, choose
+from kvtier.vllm.shared_loads import SharedLoads
 from kvtier.vllm.tracking import (
     Accounting,
     ChunkLoad,
@@ -77,6 +83,8 @@ class StepView:
     block_ids: Callable[[str], list[int] | None] = lambda _req_id: None
     reuse: Reuse = field(default_factory=Reuse)
     """Blocks vLLM hands out or overwrites this step (for :mod:`kvtier.vllm.fencing`)."""
+    tokens: Callable[[str], Sequence[int] | None] = lambda _req_id: None
+    """A request's token ids so far, prompt and generated (``None``: its prompt only)."""
 
 
 @dataclass
@@ -90,7 +98,7 @@ class SchedulerSide:
                  block_size: int, link: ServerLink,
                  clock: Callable[[], float] = time.monotonic,
                  info: dict[str, str | int] | None = None,
-                 chunks_seen: ChunksSeen | None = None) -> None:
+                 chunks_seen: ChunksSeen | None = None, prefix_caching: bool = True) -> None:
         self.cfg = config
         self.ns = namespace
         self.layout = layout
@@ -103,6 +111,8 @@ class SchedulerSide:
         self._reqs: dict[str, ReqState] = {}
         self._loads: dict[str, ReqState] = {}
         self._pending: dict[bytes, _Pending] = {}
+        self.shared = SharedLoads(config.load_timeout_s, config.share_loads and prefix_caching)
+        """Loads in flight here, that requests for the same prefix wait for."""
         self.fences = StoreFences()
         self._link_failures_seen = 0
         self._reported_at = 0.0
@@ -121,9 +131,10 @@ class SchedulerSide:
     def tracks(self, req_id: str) -> bool:
         return req_id in self._reqs
 
-    def num_new_matched_tokens(self, req_id: str, num_computed: int) -> int:
-        """Tokens kvtier can serve beyond ``num_computed`` (0 if none). No side effects
-        beyond remembering the answer for :meth:`after_alloc`."""
+    def num_new_matched_tokens(self, req_id: str, num_computed: int) -> int | None:
+        """Tokens kvtier can serve beyond ``num_computed`` (0 if none; ``None``: ask again
+        later, another request is loading this one's prefix). No side effects beyond
+        remembering the answer for :meth:`after_alloc`."""
         st = self._reqs.get(req_id)
         if st is None:
             return 0
@@ -134,6 +145,11 @@ class SchedulerSide:
         start = num_computed // self.chunk_tokens
         if start >= len(keys):
             return 0
+        waits = self.shared.wait(req_id, keys[start], self.clock())
+        if waits is not None:
+            if waits:
+                self.counters.add("shared_load_waits")
+            return None
         if not st.looked_up:  # vLLM asks again while the request waits: counted once
             st.looked_up = True
             self.counters.add("query_tokens", len(st.info.tokens) - num_computed)
@@ -184,6 +200,8 @@ class SchedulerSide:
             bool(lease and lease.ready), now + self.cfg.load_timeout_s,
             now + self.cfg.faults.hold_loads_s, account=first)
         self._loads[req_id] = st
+        keys = self._keys(st)
+        self.shared.started(req_id, [keys[c.index] for c in st.load.chunks if c.slot is not None])
         if first:
             st.accounting.device = plan.local_tokens  # type: ignore[union-attr]
             for chunk in st.load.chunks:  # what kvtier provides beyond vLLM's own hit
@@ -306,7 +324,8 @@ class SchedulerSide:
             st = self._reqs.get(sr.req_id)
             if st is None or not st.info.tokens or not st.info.options.store:
                 continue
-            done = min(sr.num_computed + sr.num_scheduled, len(st.info.tokens))
+            tokens = self._stored_tokens(st, step)
+            done = min(sr.num_computed + sr.num_scheduled, len(tokens))
             end = done // self.chunk_tokens
             if end <= st.stored_upto:
                 continue
@@ -315,23 +334,32 @@ class SchedulerSide:
                 continue
             end = min(end, len(block_ids) // bpc)
             start, st.stored_upto = st.stored_upto, max(st.stored_upto, end)
+            keys = self._keys_upto(st, end, tokens)
             for lo, hi in _runs_outside(start, end, st.in_kvtier):
-                jobs += self._reserve(st, lo, hi, block_ids)
+                jobs += self._reserve(st, lo, hi, block_ids, keys)
         return jobs
 
-    def _reserve(self, st: ReqState, start: int, end: int, block_ids: list[int]
-                 ) -> list[StoreJob]:
+    def _stored_tokens(self, st: ReqState, step: StepView) -> Sequence[int]:
+        """The tokens whose full chunks the request stores: its prompt, and what it
+        generated if it asked to keep that (or the connector stores it for all)."""
+        hint = st.info.options.retention
+        if not (self.cfg.store_generated or (hint is not None
+                                             and hint.decode_priority is not None)):
+            return st.info.tokens
+        return step.tokens(st.req_id) or st.info.tokens
+
+    def _reserve(self, st: ReqState, start: int, end: int, block_ids: list[int],
+                 keys: list[ChunkKey]) -> list[StoreJob]:
         """Reserve chunks [start, end): one call per run of equal retention."""
         jobs: list[StoreJob] = []
-        for lo, hi, retention in runs(self._retentions(st), start, end):
-            jobs += self._reserve_run(st, lo, hi, block_ids, retention)
+        for lo, hi, retention in runs(self._retentions(st, len(keys)), start, end):
+            jobs += self._reserve_run(st, keys[lo:hi], lo, block_ids, retention)
         return jobs
 
-    def _reserve_run(self, st: ReqState, start: int, end: int, block_ids: list[int],
-                     retention: ChunkRetention) -> list[StoreJob]:
-        if end <= start:
+    def _reserve_run(self, st: ReqState, keys: list[ChunkKey], start: int,
+                     block_ids: list[int], retention: ChunkRetention) -> list[StoreJob]:
+        if not keys:
             return []
-        keys = self._keys(st)[start:end]
         if self.chunks_seen is not None:
             self.chunks_seen(st.req_id, start, keys)
         # If the reply is lost, abort what it may have reserved (not other requests' stores).
@@ -374,6 +402,7 @@ class SchedulerSide:
 
     def _load_done(self, req_id: str) -> None:
         st = self._loads.pop(req_id, None)
+        self.shared.ended(req_id)
         if st is None or st.load is None:
             return
         if st.load.lease_id is not None:
@@ -432,6 +461,8 @@ class SchedulerSide:
         if st is None:
             return None
         st.finished = True
+        if st.load is None:
+            self.shared.ended(req_id)
         if st.load is not None and not st.load.emitted:
             st.load.cancelled = True  # the worker must still report it (vLLM holds blocks)
         if st.load is None:
@@ -485,12 +516,32 @@ class SchedulerSide:
         p = st.info.options.priority
         return self.cfg.priority if p is None else p
 
-    def _retentions(self, st: ReqState) -> list[ChunkRetention]:
-        """The retention of each chunk of the request's prompt (its hint, else its
-        priority, else the connector's)."""
+    def _keys_upto(self, st: ReqState, end: int, tokens: Sequence[int]) -> list[ChunkKey]:
+        """Keys of chunks [0, end) of ``tokens`` (the prompt's, and beyond it generated
+        tokens'; remembered for the retention at finish)."""
         keys = self._keys(st)
-        return chunk_retentions(st.info.options.retention, len(keys), self.chunk_tokens,
-                                len(st.info.tokens), (self._priority(st), None))
+        if end <= len(keys):
+            return keys
+        known = st.generated_keys or keys
+        if len(known) < end:  # hash only the new chunks, resuming the chain
+            known = known + chunk_keys(
+                self.ns.fingerprint, tokens[:end * self.chunk_tokens], self.chunk_tokens,
+                st.info.extras, start=len(known), parent=known[-1] if known else None)
+            st.generated_keys = known
+        return known
+
+    def _retentions(self, st: ReqState, n: int | None = None) -> list[ChunkRetention]:
+        """The retention of each of the first ``n`` chunks of the request (default: its
+        prompt's): its hint, else its priority, else the connector's; a chunk of generated
+        tokens only takes the hint's decode retention."""
+        n = len(self._keys(st)) if n is None else n
+        default = (self._priority(st), None)
+        hint = st.info.options.retention
+        out = chunk_retentions(hint, n, self.chunk_tokens, len(st.info.tokens), default)
+        if hint is not None and hint.decode_priority is None:
+            generated = -(-len(st.info.tokens) // self.chunk_tokens)
+            out[generated:] = [default] * max(0, n - generated)
+        return out
 
     def _retain_at_finish(self, st: ReqState, reason: str | None) -> None:
         """What the request asked for its prefix once it is answered: a release drops it to
@@ -501,16 +552,19 @@ class SchedulerSide:
         options = st.info.options
         if not st.keys:
             return
+        keys = st.keys
+        if st.generated_keys is not None and st.stored_upto > len(keys):
+            keys = st.generated_keys[:st.stored_upto]
         if options.release:
-            self.link.call(SetPriority(st.keys, RELEASED[0]), None)
+            self.link.call(SetPriority(keys, RELEASED[0]), None)
             return
         if options.priority is not None or options.retention is not None:
-            for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st))):
-                self.link.call(SetPriority(st.keys[lo:hi], priority, retain_s,
+            for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st, len(keys)))):
+                self.link.call(SetPriority(keys[lo:hi], priority, retain_s,
                                            keep_stronger=True, tenant=options.tenant), None)
         at_end = options.finish.of(reason) if options.finish is not None else None
         if at_end is not None:
-            self.link.call(SetPriority(st.keys, at_end.priority, at_end.duration_s,
+            self.link.call(SetPriority(keys, at_end.priority, at_end.duration_s,
                                        keep_stronger=True, tenant=options.tenant), None)
 
 

@@ -6,7 +6,8 @@ A request's life as the scheduler side sees it::
        ▲                    │ (re-planned on every call)          │ worker reports done
        │                    └──alloc without hit──► running ◄─────┘
        └── preempted: planned again, with what was stored meanwhile
-    running: each step, newly computed full prompt chunks are reserved and copied (stores)
+    running: each step, newly computed full prompt chunks are reserved and copied (stores),
+             and chunks of generated tokens where the request keeps them
     finished: accounting returned in kv_transfer_params; state dropped once no load is in flight
 """
 
@@ -117,6 +118,9 @@ class ReqState:
     looked_up: bool = False
     """Counted in ``query_tokens`` (once per request)."""
     load: LoadState | None = None
+    generated_keys: list[ChunkKey] | None = None
+    """Keys of the prompt's chunks and, beyond them, of the chunks of generated tokens the
+    request stored (with a decode retention, or ``store_generated``)."""
     stored_upto: int = 0
     """Chunks [0, stored_upto) were considered for storing already."""
     in_kvtier: set[int] = field(default_factory=set)

@@ -240,7 +240,8 @@ def test_journal_records_survive_garbage(ops: int) -> None:
     from kvtier.store import journal
 
     good = journal.Record("+", NS, keys(1)[0], 8192)
-    assert journal.decode(journal.encode([good])).records == [("+", NS, keys(1)[0], 8192)]
+    assert journal.decode(journal.encode([good])).records == [
+        ("+", NS, keys(1)[0], 8192, None, None)]
     assert journal.decode(b"\xc1 not msgpack").records == []
     assert journal.decode(b"\x91\x94\xa1x\xc4\x01a\xc4\x01b\x01") == journal.Decoded([], 1)
 

@@ -85,6 +85,12 @@ class Req:
     computed: int = 0
     scheduled_once: bool = False
     loading: bool = False
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The prompt and what was generated so far."""
+        return self.info.tokens + tuple(self.generated)
 
 
 @dataclass
@@ -95,6 +101,7 @@ class FakeEngine:
     load_timeout_s: float = 5.0
     prefill_tokens_per_s: float = 0.0
     load_or_recompute: bool = True
+    share_loads: bool = True
     lane: Callable[[], Lane] | None = None
     """Run the workers' staged (CUDA) copier on this lane instead of the CPU copier."""
     feed: Callable[[ServerLink], KvEventFeed] | None = None
@@ -113,6 +120,7 @@ class FakeEngine:
                               retry_interval_s=0.05, load_timeout_s=self.load_timeout_s,
                               prefill_tokens_per_s=self.prefill_tokens_per_s,
                               load_or_recompute=self.load_or_recompute,
+                              share_loads=self.share_loads,
                               faults=FaultConfig(hold_loads_s=self.hold_loads_s))
         client = KvtierClient(self.socket, name="rig-scheduler", timeout_s=2.0)
         link = ServerLink(client, cfg.retry_interval_s)
@@ -209,7 +217,22 @@ class FakeEngine:
         for rank, cache in enumerate(self.caches):
             for layer, tensor in enumerate(cache.values()):
                 tensor[req.blocks[b]] = torch.from_numpy(
-                    block_pattern(req.info.tokens, b, layer, rank).copy())
+                    block_pattern(req.tokens, b, layer, rank).copy())
+
+    def decode(self, req_id: str, tokens: list[int]) -> None:
+        """Generate ``tokens`` one step each, after the prompt: each step computes the KV
+        of the token generated before it (vLLM's decode)."""
+        req = self.reqs[req_id]
+        for token in tokens:
+            req.generated.append(token)
+            while len(req.blocks) * BLOCK < len(req.tokens):
+                req.blocks.append(self.free.pop(0))
+            step = StepView([ScheduledReq(req_id, req.computed, 1, False)],
+                            lambda r: self.reqs[r].blocks, Reuse(frozenset()),
+                            lambda r: self.reqs[r].tokens)
+            plan = self.sched.build_plan(step)
+            self.compute(req, req.computed, 1)
+            self.run_workers(plan)
 
     def finish(self, req_id: str, reason: str | None = "stop") -> dict[str, Any]:
         """End the request (as vLLM says it ended); returns its
@@ -255,7 +278,7 @@ class FakeEngine:
         for rank, cache in enumerate(self.caches):
             for layer, tensor in enumerate(cache.values()):
                 for b in range(upto_block):
-                    want = block_pattern(req.info.tokens, b, layer, rank)
+                    want = block_pattern(req.tokens, b, layer, rank)
                     if not np.array_equal(tensor[req.blocks[b]].numpy(), want):
                         return False
         return True
