@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvtier.bounds import Positive, check_bounds
 from kvtier.config import ConfigStruct, parse, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, ChunkKey
@@ -66,20 +67,20 @@ class SharingOptions(ConfigStruct, frozen=True):
 
     namespace_bytes: Size | None = None
     """Byte budget of each namespace (default: the tier's ``capacity_bytes``)."""
-    journal_interval_s: float = 0.2
+    journal_interval_s: Positive = 0.2
     """A server's own puts, deletes and touches are published at most this late."""
-    poll_s: float = 0.5
+    poll_s: Positive = 0.5
     """How often a server reads the others' journal: a chunk written elsewhere is found
     within about ``journal_interval_s + poll_s``."""
-    touch_interval_s: float = 60.0
+    touch_interval_s: Positive = 60.0
     """A hit refreshes a chunk's recency on the tier at most this often per server."""
-    sweep_interval_s: float = 30.0
+    sweep_interval_s: Positive = 30.0
     """How often the sweeping server enforces namespace budgets and cleans up."""
-    journal_keep_s: float = 300.0
+    journal_keep_s: Positive = 300.0
     """Journal notes older than this are deleted; a server further behind rescans."""
-    stale_temp_s: float = 600.0
+    stale_temp_s: Positive = 600.0
     """Temporary objects of writes older than this were left by killed writers."""
-    max_clock_skew_s: float = 30.0
+    max_clock_skew_s: Positive = 30.0
     """Heartbeats and notes dated further than this ahead of this server's clock are
     ignored (a wrong or forged clock must not win the sweeper election) and swept."""
     tier_id: str | None = None
@@ -90,13 +91,10 @@ class SharingOptions(ConfigStruct, frozen=True):
     tier mounted at different paths) or names two tiers alike."""
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         if self.namespace_bytes is not None:
             msgspec.structs.force_setattr(self, "namespace_bytes",
                                           parse_size(self.namespace_bytes, "namespace_bytes"))
-        for name in ("journal_interval_s", "poll_s", "touch_interval_s", "sweep_interval_s",
-                     "journal_keep_s", "stale_temp_s", "max_clock_skew_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
         if self.journal_keep_s < 10 * self.poll_s:
             raise ConfigError("journal_keep_s must be at least 10 x poll_s")
         if self.tier_id is not None and not TIER_ID.fullmatch(self.tier_id):
