@@ -200,7 +200,11 @@ class AuthConfig(ConfigStruct, frozen=True):
 
 
 class ServerConfig(ConfigStruct, frozen=True):
+    """A node server: its socket, secrets, arena and lower tiers, HTTP API and limits."""
+
     socket_path: str = ""
+    """The unix socket clients connect to; empty: ``kvtier.sock`` in ``$XDG_RUNTIME_DIR``
+    (else ``/tmp/kvtier-UID``)."""
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     arena: ArenaConfig = msgspec.field(default_factory=ArenaConfig)
     tiers: tuple[TierConfig, ...] = ()

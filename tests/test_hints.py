@@ -45,7 +45,7 @@ def test_ranges_the_whole_prompt_and_decode_resolve_per_chunk() -> None:
     ({"priority": 80, "duration_s": 0}, r"retention.duration_s must be in \(0, 86400\], got 0"),
     ({"priority": 80, "duration_s": -3}, r"retention.duration_s must be in \(0, 86400\]"),
     ({"priority": 80, "duration_s": math.nan}, r"retention.duration_s"),
-    ({"priority": 80, "duration_s": math.inf}, r"retention.duration_s must be in \(0, 86400\], got inf"),
+    ({"priority": 80, "duration_s": math.inf}, r"duration_s must be in \(0, 86400\], got inf"),
     ({"priority": 80, "duration_s": 1e30}, r"retention.duration_s must be in \(0, 86400\]"),
     ({"priority": 80, "duration_s": "30"}, r"retention.duration_s"),
     ({"duration_s": 30}, r"duration_s needs a priority"),

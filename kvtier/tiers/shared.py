@@ -35,20 +35,15 @@ from __future__ import annotations
 import re
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from kvtier.bounds import Positive, check_bounds
-from kvtier.config import ConfigStruct, parse, parse_size
+from kvtier.config import ConfigStruct, Size, parse, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.tiers.base import LowerTier, StoredChunk
-
-if TYPE_CHECKING:
-    Size = int
-else:
-    Size = Any
 
 NOTE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
