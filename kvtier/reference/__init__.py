@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.errors import KvtierError
+
 PAGES: dict[str, str] = {
     "cli.md": "kvtier.reference.cli_page",
     "config.md": "kvtier.reference.config_page",
@@ -20,6 +22,11 @@ PAGES: dict[str, str] = {
 DEFAULT_OUT = Path("docs/reference")
 COMMAND = "python -m kvtier.reference"
 """What regenerates the committed pages (from the repository's root)."""
+
+
+class Unavailable(KvtierError):
+    """A part of kvtier cannot be imported here (an optional dependency is missing), so its
+    reference cannot be generated: nothing is written rather than a page with a hole."""
 
 
 def generate() -> dict[str, str]:

@@ -7,7 +7,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.reference import COMMAND, DEFAULT_OUT, generate, stale, write
+from kvtier.reference import COMMAND, DEFAULT_OUT, Unavailable, generate, stale, write
+
+UNAVAILABLE = 3
+"""Exit status when a part of kvtier cannot be imported here (nothing written or checked)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -19,7 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a page differs from the code")
     args = parser.parse_args(argv)
-    pages = generate()
+    try:
+        pages = generate()
+    except Unavailable as exc:
+        print(f"python -m kvtier.reference: {exc}", file=sys.stderr)
+        return UNAVAILABLE
     if args.check:
         differ = stale(args.out, pages)
         for name in differ:

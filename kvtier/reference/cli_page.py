@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from kvtier.reference import Unavailable
 from kvtier.reference.markdown import code, page, paragraphs, prose, table
 
 INTRO = """\
@@ -36,6 +37,10 @@ def _sections(parser: argparse.ArgumentParser, path: list[str]) -> Iterator[str]
         parts.append(paragraphs(parser.description))
     for sub in subs:
         helps = {c.dest: c.help for c in vars(sub)["_choices_actions"]}
+        for name, text in helps.items():
+            if (text or "").startswith("(unavailable:"):  # kvtier.cli's stand-in
+                raise Unavailable(f"cannot document `{' '.join([*path, name])}` here: "
+                                  f"{text}; install kvtier with all its extras")
         parts.append(table(["command", "what it does"],
                            [[code(" ".join([*path, name])), prose(helps.get(name))]
                             for name in sorted(sub.choices)]))
