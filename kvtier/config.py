@@ -105,11 +105,18 @@ class ArenaConfig(ConfigStruct, frozen=True):
     """The host-RAM tier: one shared-memory region of fixed-size slots."""
 
     size_bytes: Size = 1 << 30
+    """Host RAM for the arena, allocated (and pre-faulted) at startup."""
     slot_bytes: Size = 4096 + (1 << 20)
+    """One chunk per slot: the 4096-byte header and the payload; a multiple of 4096, at
+    least 8192 (the connector sizes it from the model when it embeds the server)."""
     name: str | None = None
+    """The shared-memory name; default ``kvtier-arena-UID-PID-RANDOM``."""
     eviction: str = "lru"
+    """The arena's eviction policy (see Names below)."""
     prefault: bool = True
+    """Touch every page at startup, so the first requests do not pay for page faults."""
     free_target: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
+    """Share of slots kept free: write-back tiers are written ahead of need."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -131,11 +138,13 @@ class BreakerConfig(ConfigStruct, frozen=True):
     """When a lower tier is bypassed (see :mod:`kvtier.store.breaker`)."""
 
     enabled: bool = True
+    """Whether failures bypass the tier at all."""
     errors: Annotated[int, msgspec.Meta(ge=1)] = 5
     """Failures within ``window_s`` that open the breaker..."""
     error_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     """...provided they are at least this share of the operations in the window."""
     window_s: Positive = 30.0
+    """The window failures are counted in."""
     latency_budget_s: Positive = 2.0
     """An operation (one chunk's read, write or delete) slower than this is a failure."""
     cooldown_s: Positive = 10.0
@@ -149,12 +158,20 @@ class TierConfig(ConfigStruct, frozen=True):
     """A tier below the arena. ``options`` are checked by the tier class itself."""
 
     type: str
+    """The tier type (see Names below); its ``options`` are in the sections below."""
     capacity_bytes: Size
+    """kvtier never lets the tier grow past this."""
     name: str = ""
+    """Used in metrics and lookups; default: the type."""
     eviction: str = "lru"
     admission: AdmissionRules = ()
+    """Rules a chunk must all pass to be written here, e.g. ``{after_uses: 2,
+    min_priority: 50}``; ``always`` (the default) or ``{}`` admits every chunk."""
     write_policy: Literal["through", "back"] = "through"
+    """``through``: written once stored in the arena (needed for sharing); ``back``:
+    written when the arena evicts it."""
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    """Threads doing this tier's chunk I/O."""
     io_timeout_s: Positive = 30.0
     """A chunk read, write or delete not finished by then is given up (its waiters fail,
     the breaker counts it); the thread it hangs in is replaced."""
@@ -216,10 +233,12 @@ class ServerConfig(ConfigStruct, frozen=True):
     """The address others reach the HTTP API at (``/healthz``'s ``url``); default
     ``metrics_host``, required when that is a wildcard (0.0.0.0, ::)."""
     lease_ttl_s: Positive = 30.0
+    """Leases and reservations of a client that stays silent expire after this."""
     orphan_grace_s: NonNegative = 10.0
     """A client that disconnects keeps its leases and reservations this long: another
     process it gave the slot numbers to (an engine worker) may still be copying."""
     max_message_bytes: Size = 16 << 20
+    """A larger control message is refused and its client disconnected."""
     max_clients: Annotated[int, msgspec.Meta(ge=1)] = 256
     """Connections beyond this are refused at once (each holds a server thread)."""
     frame_timeout_s: Positive = 5.0
@@ -228,6 +247,7 @@ class ServerConfig(ConfigStruct, frozen=True):
     max_report_series: Annotated[int, msgspec.Meta(ge=0)] = 1000
     """Distinct (client, event, tier) series engines may add to /metrics."""
     access_log: str | None = None
+    """A JSON-lines file of lookups, read by ``kvtier trace``."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
 
