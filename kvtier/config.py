@@ -21,19 +21,21 @@ import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
 import yaml
 
 from kvtier.address import advertised_host, normal_host
+from kvtier.bounds import NonNegative, Port, Positive, check_bounds, meta_of, wording
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
     Size = int
     AdmissionRules = tuple[tuple[str, int], ...]
 else:  # decoded as given; __post_init__ turns them into the types above
-    Size = AdmissionRules = Any
+    Size = Annotated[Any, msgspec.Meta(extra={"kvtier_type": "size"})]
+    AdmissionRules = Annotated[Any, msgspec.Meta(extra={"kvtier_type": "admission rules"})]
 
 C = TypeVar("C", bound="ConfigStruct")
 
@@ -103,21 +105,27 @@ class ArenaConfig(ConfigStruct, frozen=True):
     """The host-RAM tier: one shared-memory region of fixed-size slots."""
 
     size_bytes: Size = 1 << 30
+    """Host RAM for the arena, allocated (and pre-faulted) at startup."""
     slot_bytes: Size = 4096 + (1 << 20)
+    """One chunk per slot: the 4096-byte header and the payload; a multiple of 4096, at
+    least 8192 (the connector sizes it from the model when it embeds the server)."""
     name: str | None = None
+    """The shared-memory name; default ``kvtier-arena-UID-PID-RANDOM``."""
     eviction: str = "lru"
+    """The arena's eviction policy (see Names below)."""
     prefault: bool = True
-    free_target: float = 0.05
+    """Touch every page at startup, so the first requests do not pay for page faults."""
+    free_target: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
+    """Share of slots kept free: write-back tiers are written ahead of need."""
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         _sizes(self, "size_bytes", "slot_bytes")
         _check_eviction(self.eviction)
         if self.slot_bytes < 8192 or self.slot_bytes % 4096:
             raise ConfigError("slot_bytes must be a multiple of 4096 and at least 8192")
         if self.size_bytes < self.slot_bytes:
             raise ConfigError("size_bytes must hold at least one slot")
-        if not 0.0 <= self.free_target < 1.0:
-            raise ConfigError("free_target must be in [0, 1)")
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.name):
             raise ConfigError("name may use letters, digits, '_', '.', '-' (1-200 chars)")
 
@@ -130,37 +138,41 @@ class BreakerConfig(ConfigStruct, frozen=True):
     """When a lower tier is bypassed (see :mod:`kvtier.store.breaker`)."""
 
     enabled: bool = True
-    errors: int = 5
+    """Whether failures bypass the tier at all."""
+    errors: Annotated[int, msgspec.Meta(ge=1)] = 5
     """Failures within ``window_s`` that open the breaker..."""
-    error_ratio: float = 0.5
+    error_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     """...provided they are at least this share of the operations in the window."""
-    window_s: float = 30.0
-    latency_budget_s: float = 2.0
+    window_s: Positive = 30.0
+    """The window failures are counted in."""
+    latency_budget_s: Positive = 2.0
     """An operation (one chunk's read, write or delete) slower than this is a failure."""
-    cooldown_s: float = 10.0
+    cooldown_s: Positive = 10.0
     """An open breaker waits this long, then a probe (write, read, delete) decides."""
 
     def __post_init__(self) -> None:
-        if self.errors < 1:
-            raise ConfigError("errors must be at least 1")
-        if not 0.0 <= self.error_ratio <= 1.0:
-            raise ConfigError("error_ratio must be in [0, 1]")
-        for name in ("window_s", "latency_budget_s", "cooldown_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
+        check_bounds(self)
 
 
 class TierConfig(ConfigStruct, frozen=True):
     """A tier below the arena. ``options`` are checked by the tier class itself."""
 
     type: str
+    """The tier type (see Names below); its ``options`` are in the sections below."""
     capacity_bytes: Size
+    """kvtier never lets the tier grow past this."""
     name: str = ""
+    """Used in metrics and lookups; default: the type."""
     eviction: str = "lru"
     admission: AdmissionRules = ()
+    """Rules a chunk must all pass to be written here, e.g. ``{after_uses: 2,
+    min_priority: 50}``; ``always`` (the default) or ``{}`` admits every chunk."""
     write_policy: Literal["through", "back"] = "through"
-    io_threads: int = 2
-    io_timeout_s: float = 30.0
+    """``through``: written once stored in the arena (needed for sharing); ``back``:
+    written when the arena evicts it."""
+    io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    """Threads doing this tier's chunk I/O."""
+    io_timeout_s: Positive = 30.0
     """A chunk read, write or delete not finished by then is given up (its waiters fail,
     the breaker counts it); the thread it hangs in is replaced."""
     keep_free_bytes: Size | None = None
@@ -170,15 +182,12 @@ class TierConfig(ConfigStruct, frozen=True):
     options: Mapping[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         _sizes(self, "capacity_bytes")
         if self.keep_free_bytes is not None:
             _sizes(self, "keep_free_bytes")
         _check_eviction(self.eviction)
         msgspec.structs.force_setattr(self, "admission", _admission(self.admission))
-        if not 1 <= self.io_threads <= 64:
-            raise ConfigError("io_threads must be in [1, 64]")
-        if self.io_timeout_s <= 0:
-            raise ConfigError("io_timeout_s must be positive")
         if not self.name:
             msgspec.structs.force_setattr(self, "name", self.type)
         if self.name == "arena" or not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
@@ -237,47 +246,47 @@ class QuotaConfig(ConfigStruct, frozen=True):
 
 
 class ServerConfig(ConfigStruct, frozen=True):
+    """A node server: its socket, secrets, arena and lower tiers, HTTP API and limits."""
+
     socket_path: str = ""
+    """The unix socket clients connect to; empty: ``kvtier.sock`` in ``$XDG_RUNTIME_DIR``
+    (else ``/tmp/kvtier-UID``)."""
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     arena: ArenaConfig = msgspec.field(default_factory=ArenaConfig)
     tiers: tuple[TierConfig, ...] = ()
-    metrics_port: int | None = None
+    metrics_port: Port | None = None
+    """The node HTTP API's port (0 picks a free one); unset: no HTTP API."""
     metrics_host: str = "127.0.0.1"
     """The address the HTTP API binds; beyond loopback only with the node token (``auth``)."""
     metrics_advertise_host: str | None = None
     """The address others reach the HTTP API at (``/healthz``'s ``url``); default
     ``metrics_host``, required when that is a wildcard (0.0.0.0, ::)."""
-    lease_ttl_s: float = 30.0
-    orphan_grace_s: float = 10.0
+    lease_ttl_s: Positive = 30.0
+    """Leases and reservations of a client that stays silent expire after this."""
+    orphan_grace_s: NonNegative = 10.0
     """A client that disconnects keeps its leases and reservations this long: another
     process it gave the slot numbers to (an engine worker) may still be copying."""
     max_message_bytes: Size = 16 << 20
-    max_clients: int = 256
+    """A larger control message is refused and its client disconnected."""
+    max_clients: Annotated[int, msgspec.Meta(ge=1)] = 256
     """Connections beyond this are refused at once (each holds a server thread)."""
-    frame_timeout_s: float = 5.0
+    frame_timeout_s: Positive = 5.0
     """A message, once its first byte arrived, must arrive whole within this time; the
     first message (the hello) within this time of connecting."""
-    max_report_series: int = 1000
+    max_report_series: Annotated[int, msgspec.Meta(ge=0)] = 1000
     """Distinct (client, event, tier) series engines may add to /metrics."""
     access_log: str | None = None
+    """A JSON-lines file of lookups, read by ``kvtier trace``."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     retention_quotas: QuotaConfig | None = None
     """Bytes per tenant and tier held above the default priority (:class:`QuotaConfig`)."""
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         _sizes(self, "max_message_bytes")
         if not self.socket_path:
             msgspec.structs.force_setattr(self, "socket_path", default_socket_path())
-        if self.lease_ttl_s <= 0:
-            raise ConfigError("lease_ttl_s must be positive")
-        if self.orphan_grace_s < 0:
-            raise ConfigError("orphan_grace_s cannot be negative")
-        if self.max_clients < 1 or self.max_report_series < 0 or self.frame_timeout_s <= 0:
-            raise ConfigError("max_clients must be >= 1, max_report_series >= 0 and "
-                              "frame_timeout_s > 0")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ConfigError("metrics_port must be in [0, 65535] (0 picks a free port)")
         if self.metrics_port is not None:
             msgspec.structs.force_setattr(
                 self, "metrics_host", normal_host(self.metrics_host, "metrics_host"))
@@ -327,6 +336,7 @@ def parse(cls: type[C], data: object, where: str = "") -> C:
 # msgspec's messages end in " - at `$.tiers[0].options`" (or "`key` in `$...`" for a key)
 _AT = re.compile(r"(?P<detail>.*?)(?: - at (?P<in_key>`key` in )?`\$(?P<path>[^`]*)`)?", re.S)
 _STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+_BOUND = re.compile(r"Expected `[^`]*` (?:>=|<=|>|<) \S+")
 _WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
           "object": "a mapping", "array": "a list", "null": "null"}
 
@@ -345,6 +355,8 @@ def _explain(exc: msgspec.ValidationError, cls: type, data: object, where: str) 
     if unknown := re.fullmatch(r"Object contains unknown field `(.*)`", detail):
         fields = sorted(f.name for f in msgspec.structs.fields(_type_at(cls, path)))
         return f"{_join(key, unknown[1])}: unknown key; allowed: {', '.join(fields)}"
+    if _BOUND.fullmatch(detail) and (meta := meta_of(_field_type(cls, path))) is not None:
+        return f"{here} {wording(meta)}, got {_value_at(data, path)!r}"
     if missing := re.fullmatch(r"Object missing required field `(.*)`", detail):
         return f"{here}: missing required key {missing[1]}"
     if expected := re.fullmatch(r"Expected `(.*?)`, got `.*`", detail):
@@ -372,11 +384,19 @@ def _type_at(cls: type, path: str) -> Any:
     return _not_none(hint)
 
 
+def _field_type(cls: type, path: str) -> Any:
+    """The declared type of the field at ``path``, its ``Annotated`` bounds kept."""
+    parent, _, name = path.rpartition(".")
+    fields = {f.name: f.type for f in msgspec.structs.fields(_type_at(cls, parent))}
+    return fields.get(name)
+
+
 def _not_none(hint: Any) -> Any:  # X | None -> X, Annotated[X, ...] -> X
     if get_origin(hint) is Annotated:
         hint = get_args(hint)[0]
-    if isinstance(hint, types.UnionType):
-        return next(arg for arg in get_args(hint) if arg is not type(None))
+    if isinstance(hint, types.UnionType) or get_origin(hint) is Union:
+        hint = next(arg for arg in get_args(hint) if arg is not type(None))
+        return _not_none(hint)
     return hint
 
 

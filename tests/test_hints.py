@@ -39,14 +39,14 @@ def test_ranges_the_whole_prompt_and_decode_resolve_per_chunk() -> None:
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    ({"priority": 101}, r"retention.priority: .*<= 100"),
-    ({"priority": -1}, r"retention.priority: .*>= 0"),
+    ({"priority": 101}, r"retention.priority must be in \[0, 100\], got 101"),
+    ({"priority": -1}, r"retention.priority must be in \[0, 100\], got -1"),
     ({"priority": True}, r"retention.priority"),
-    ({"priority": 80, "duration_s": 0}, r"retention.duration_s: .*> 0"),
-    ({"priority": 80, "duration_s": -3}, r"retention.duration_s: .*> 0"),
+    ({"priority": 80, "duration_s": 0}, r"retention.duration_s must be in \(0, 86400\], got 0"),
+    ({"priority": 80, "duration_s": -3}, r"retention.duration_s must be in \(0, 86400\]"),
     ({"priority": 80, "duration_s": math.nan}, r"retention.duration_s"),
-    ({"priority": 80, "duration_s": math.inf}, r"retention.duration_s: .*<= 86400"),
-    ({"priority": 80, "duration_s": 1e30}, r"retention.duration_s: .*<= 86400"),
+    ({"priority": 80, "duration_s": math.inf}, r"duration_s must be in \(0, 86400\], got inf"),
+    ({"priority": 80, "duration_s": 1e30}, r"retention.duration_s must be in \(0, 86400\]"),
     ({"priority": 80, "duration_s": "30"}, r"retention.duration_s"),
     ({"duration_s": 30}, r"duration_s needs a priority"),
     ({"decode_duration_s": 3}, r"decode_duration_s needs a decode_priority"),

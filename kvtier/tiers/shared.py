@@ -35,20 +35,17 @@ from __future__ import annotations
 import re
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
-from kvtier.config import ConfigStruct, parse, parse_size
+from kvtier.bounds import Positive, check_bounds
+from kvtier.config import ConfigStruct, Size, parse, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.policies.retention import MAX_RETAIN_S
 from kvtier.tiers.base import LowerTier, StoredChunk
-
-if TYPE_CHECKING:
-    Size = int
-else:
-    Size = Any
 
 NOTE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
@@ -67,26 +64,26 @@ class SharingOptions(ConfigStruct, frozen=True):
 
     namespace_bytes: Size | None = None
     """Byte budget of each namespace (default: the tier's ``capacity_bytes``)."""
-    journal_interval_s: float = 0.2
+    journal_interval_s: Positive = 0.2
     """A server's own puts, deletes and touches are published at most this late."""
-    poll_s: float = 0.5
+    poll_s: Positive = 0.5
     """How often a server reads the others' journal: a chunk written elsewhere is found
     within about ``journal_interval_s + poll_s``."""
-    touch_interval_s: float = 60.0
+    touch_interval_s: Positive = 60.0
     """A hit refreshes a chunk's recency on the tier at most this often per server."""
-    sweep_interval_s: float = 30.0
+    sweep_interval_s: Positive = 30.0
     """How often the sweeping server enforces namespace budgets and cleans up."""
-    journal_keep_s: float = 300.0
+    journal_keep_s: Positive = 300.0
     """Journal notes older than this are deleted; a server further behind rescans."""
-    stale_temp_s: float = 600.0
+    stale_temp_s: Positive = 600.0
     """Temporary objects of writes older than this were left by killed writers."""
-    max_clock_skew_s: float = 30.0
+    max_clock_skew_s: Positive = 30.0
     """Heartbeats and notes dated further than this ahead of this server's clock are
     ignored (a wrong or forged clock must not win the sweeper election) and swept."""
-    max_peer_priority: int = 80
+    max_peer_priority: Annotated[int, Meta(ge=0, le=100)] = 80
     """The highest retention priority (0-100) this server's books give a chunk because
     another server's journal retained it; higher is capped to this."""
-    max_peer_retention_s: float = 600.0
+    max_peer_retention_s: Annotated[float, Meta(gt=0, le=MAX_RETAIN_S)] = 600.0
     """The longest a peer's retention holds here (seconds; longer, or until changed, is
     capped to this)."""
     tier_id: str | None = None
@@ -97,20 +94,10 @@ class SharingOptions(ConfigStruct, frozen=True):
     tier mounted at different paths) or names two tiers alike."""
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         if self.namespace_bytes is not None:
             msgspec.structs.force_setattr(self, "namespace_bytes",
                                           parse_size(self.namespace_bytes, "namespace_bytes"))
-        for name in ("journal_interval_s", "poll_s", "touch_interval_s", "sweep_interval_s",
-                     "journal_keep_s", "stale_temp_s", "max_clock_skew_s",
-                     "max_peer_retention_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        if not 0 <= self.max_peer_priority <= 100:
-            raise ConfigError(f"max_peer_priority must be in [0, 100], got "
-                              f"{self.max_peer_priority}")
-        if self.max_peer_retention_s > MAX_RETAIN_S:
-            raise ConfigError(f"max_peer_retention_s must be at most {MAX_RETAIN_S:g} s, got "
-                              f"{self.max_peer_retention_s:g}")
         if self.journal_keep_s < 10 * self.poll_s:
             raise ConfigError("journal_keep_s must be at least 10 x poll_s")
         if self.tier_id is not None and not TIER_ID.fullmatch(self.tier_id):

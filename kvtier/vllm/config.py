@@ -29,10 +29,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from kvtier.bounds import NonNegative, Positive, check_bounds
 from kvtier.codec import HEADER_SIZE, align_up
 from kvtier.config import ConfigStruct, ServerConfig, parse
 from kvtier.errors import ConfigError
-from kvtier.hints import FinishRetention, RetentionHint
+from kvtier.hints import FinishRetention, Priority, RetentionHint
 
 _PLACEHOLDER_SLOT = HEADER_SIZE + 4096
 log = logging.getLogger("kvtier.vllm")
@@ -41,25 +42,24 @@ log = logging.getLogger("kvtier.vllm")
 class FaultConfig(ConfigStruct, frozen=True):
     """Test hooks; never set these in production."""
 
-    hold_loads_s: float = 0.0
+    hold_loads_s: NonNegative = 0.0
     """Keep each load job on the scheduler for this long before the worker may run it."""
 
     def __post_init__(self) -> None:
-        if self.hold_loads_s < 0:
-            raise ConfigError("hold_loads_s must be >= 0")
+        check_bounds(self)
 
 
 class ConnectorConfig(ConfigStruct, frozen=True):
     server_socket: str = ""
     server: Mapping[str, Any] | None = None
-    chunk_tokens: int = 256
-    priority: int = 35
+    chunk_tokens: Annotated[int, Meta(ge=1)] = 256
+    priority: Priority = 35
     """Default retention priority (0-100) of stored chunks; a request may override it."""
-    load_timeout_s: float = 10.0
+    load_timeout_s: Positive = 10.0
     """A chunk not promoted into the arena within this time is recomputed instead."""
-    client_timeout_s: float = 2.0
+    client_timeout_s: Positive = 2.0
     """Per-call timeout towards the server; a slower answer counts as the server being down."""
-    retry_interval_s: float = 1.0
+    retry_interval_s: Positive = 1.0
     """After the server was unreachable, calls are skipped (misses) for this long."""
     load: bool = True
     store: bool = True
@@ -71,34 +71,22 @@ class ConnectorConfig(ConfigStruct, frozen=True):
     (at most ``load_timeout_s``) and shares its blocks (needs vLLM's prefix caching)."""
     load_or_recompute: bool = True
     """Skip the tail of a hit that would arrive later than recomputing it."""
-    prefill_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: NonNegative = 0.0
     """This engine's prefill speed for that decision; 0 measures it from its own steps."""
     model_id: str | None = None
     """Overrides the model identity in chunk keys (e.g. the same checkpoint at two paths)."""
-    kv_events_interval_s: float = 0.5
+    kv_events_interval_s: NonNegative = 0.5
     """With vLLM's ``kv_events_config`` on: how often the scheduler side reads the server's
     store events into vLLM's KV-event stream (also at once after it stored or leased)."""
-    kv_events_chunks: int = 16384
+    kv_events_chunks: Annotated[int, Meta(ge=1)] = 16384
     """Chunks whose vLLM block hashes the scheduler side remembers for those events."""
     faults: FaultConfig = msgspec.field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         if bool(self.server_socket) == (self.server is not None):
             raise ConfigError("server: give exactly one of server_socket (connect to a running "
                               "kvtier server) or server (start one embedded)")
-        if self.chunk_tokens <= 0:
-            raise ConfigError("chunk_tokens must be a positive integer")
-        if not 0 <= self.priority <= 100:
-            raise ConfigError(f"priority must be in [0, 100], got {self.priority}")
-        for name in ("load_timeout_s", "client_timeout_s", "retry_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        if self.kv_events_interval_s < 0:
-            raise ConfigError("kv_events_interval_s must be >= 0")
-        if self.kv_events_chunks < 1:
-            raise ConfigError("kv_events_chunks must be a positive integer")
-        if self.prefill_tokens_per_s < 0:
-            raise ConfigError("prefill_tokens_per_s must be >= 0 (0: measured)")
         if self.server is not None:
             self.server_config(payload_len=_PLACEHOLDER_SLOT - HEADER_SIZE)  # validate early
 
@@ -130,7 +118,7 @@ class ConnectorConfig(ConfigStruct, frozen=True):
 class RequestOptions(ConfigStruct, frozen=True):
     """Per-request knobs from ``kv_transfer_params = {"kvtier": {...}}``."""
 
-    priority: int | None = None
+    priority: Priority | None = None
     load: bool = True
     store: bool = True
     retention: RetentionHint | None = None
@@ -144,8 +132,7 @@ class RequestOptions(ConfigStruct, frozen=True):
     """Whose retention quota its chunks count against in the store (the router sets it)."""
 
     def __post_init__(self) -> None:
-        if self.priority is not None and not 0 <= self.priority <= 100:
-            raise ConfigError(f"priority must be in [0, 100], got {self.priority}")
+        check_bounds(self)
         if self.release and self.retention is not None:
             raise ConfigError("release and retention exclude each other: a released prefix "
                               "is kept at priority 0")
