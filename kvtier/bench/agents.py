@@ -85,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g = p.add_argument_group("the stack")
     g.add_argument("--arena-size", default="48MiB")
-    g.add_argument("--device-blocks", type=int, default=32,
+    g.add_argument("--device-blocks", type=int, default=33,
                    help="vLLM's own cache, in blocks (128 tokens on the CPU build)")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--dtype", default="float32")
@@ -117,9 +117,11 @@ def modes(text: str) -> list[str]:
 
 
 def engine_args(args: argparse.Namespace) -> list[str]:
-    if args.device_blocks * 128 < args.max_model_len:  # vLLM refuses to start otherwise
-        raise ConfigError(f"--device-blocks {args.device_blocks} x 128 tokens is less than "
-                          f"--max-model-len {args.max_model_len}")
+    # vLLM keeps one block back (its null block) and refuses to start without room for one
+    # request of --max-model-len
+    if (args.device_blocks - 1) * 128 < args.max_model_len:
+        raise ConfigError(f"--device-blocks {args.device_blocks}: less one block, x 128 tokens "
+                          f"is less than --max-model-len {args.max_model_len}")
     return ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
             "--num-gpu-blocks-override", str(args.device_blocks), "--enforce-eager",
             "--enable-prompt-tokens-details", "--seed", "0",

@@ -26,7 +26,7 @@ from kvtier.demo.model import DEMO_NAME
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vLLM is not installed (pip install 'kvtier[vllm]')")]
-ENGINE = ("--dtype", "float32", "--max-model-len", "4096", "--num-gpu-blocks-override", "32",
+ENGINE = ("--dtype", "float32", "--max-model-len", "4096", "--num-gpu-blocks-override", "33",
           "--enforce-eager", "--enable-prompt-tokens-details", "--seed", "0",
           "--kv-cache-memory-bytes", str(1 << 30))
 
