@@ -63,8 +63,8 @@ def run_figures(rows: Sequence[Mapping[str, Any]], duration_s: float,
     out["arena_loaded_tokens"] = loaded.get("arena")
     node = node or {}
     out["arena_evictions"] = node.get("evictions|arena")
-    out["retained_hits"] = node.get("retained_hits|arena|true")
-    out["unretained_hits"] = node.get("retained_hits|arena|false")
+    out["retained_hits"] = node.get("retained_hits|arena|yes")
+    out["unretained_hits"] = node.get("retained_hits|arena|no")
     out["releases"] = node.get("releases")
     out["expiries"] = node.get("expiries|arena")
     return out
@@ -72,7 +72,7 @@ def run_figures(rows: Sequence[Mapping[str, Any]], duration_s: float,
 
 def node_counters(text: str) -> dict[str, float]:
     """The node server's retention and eviction counters: ``evictions|TIER``,
-    ``retained_hits|TIER|true|false``, ``releases``, ``expiries|TIER``."""
+    ``retained_hits|TIER|yes|no``, ``releases``, ``expiries|TIER``."""
     out: dict[str, float] = {}
     for s in samples(text, NODE_COUNTERS):
         name = s.name.removeprefix("kvtier_").removesuffix("_total")

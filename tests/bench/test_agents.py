@@ -173,7 +173,7 @@ def test_run_figures_group_turns_by_what_they_follow() -> None:
     node = report.node_counters(
         'kvtier_evictions_total{tier="arena",cause="capacity"} 5\n'
         'kvtier_evictions_total{tier="arena",cause="other"} 2\n'
-        'kvtier_retained_hits_total{tier="arena",retained="true"} 7\n'
+        'kvtier_retained_hits_total{tier="arena",retained="yes"} 7\n'
         "kvtier_retention_releases_total 3\n"
         'kvtier_retention_expiries_total{tier="arena"} 4\n')
     f = report.run_figures(rows, 60.0, {"prompt_tokens": 4500, "cached_tokens_by_source":
