@@ -61,12 +61,11 @@ def run_figures(rows: Sequence[Mapping[str, Any]], duration_s: float,
     out["prompt_tokens"] = (endpoint or {}).get("prompt_tokens")
     loaded = (endpoint or {}).get("kvtier_loaded_tokens") or {}
     out["arena_loaded_tokens"] = loaded.get("arena")
-    node = node or {}
-    out["arena_evictions"] = node.get("evictions|arena")
-    out["retained_hits"] = node.get("retained_hits|arena|yes")
-    out["unretained_hits"] = node.get("retained_hits|arena|no")
-    out["releases"] = node.get("releases")
-    out["expiries"] = node.get("expiries|arena")
+    for name, key in (("arena_evictions", "evictions|arena"),
+                      ("retained_hits", "retained_hits|arena|yes"),
+                      ("unretained_hits", "retained_hits|arena|no"),
+                      ("releases", "releases"), ("expiries", "expiries|arena")):
+        out[name] = None if node is None else node.get(key, 0.0)  # a counter not yet seen
     return out
 
 
