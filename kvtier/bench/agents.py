@@ -228,9 +228,9 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError("--repeats must be at least 1")
     config = workload_config(args)
-    from kvtier.demo.model import DEMO_NAME, demo_model_path
+    from kvtier.demo.model import DEMO_NAME, ensure_demo_model
 
-    model = str(demo_model_path())
+    model = str(ensure_demo_model())  # built on first use
     counter = counter_for(model)
     wl = build(config, counter)
     for _ in range(args.repeats):
