@@ -28,6 +28,7 @@ _BENCH_PLUGINS = {
     "micro": "kvtier.bench.micro",
     "ttft": "kvtier.bench.ttft",
     "multiround": "kvtier.bench.multiround",
+    "agents": "kvtier.bench.agents",
     "compare": "kvtier.bench.compare",
     "sweep": "kvtier.bench.sweep",
     "shared": "kvtier.bench.shared",

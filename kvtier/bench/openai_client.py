@@ -52,6 +52,9 @@ class RequestSpec:
     max_tokens: int
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Sent as the body's ``kv_transfer_params`` (kvtier's per-request options: retention,
+    release, ...); None: no such field."""
 
 
 @dataclass
@@ -129,6 +132,8 @@ class Endpoint:
             body["stream_options"] = {"include_usage": True}
         if self.config.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extension: every answer has max_tokens
+        if spec.kv_transfer_params is not None:
+            body["kv_transfer_params"] = spec.kv_transfer_params
         return body
 
     async def send(self, spec: RequestSpec, first_token: asyncio.Event | None = None

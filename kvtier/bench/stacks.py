@@ -278,17 +278,23 @@ SHARED_KINDS = ("fs", "s3", "none")
 
 def _two_instances(router: str, policy: str, shared: str = "fs",
                    router_args: tuple[str, ...] = ()) -> Callable[[StackEnv], StartedConfig]:
-    """``kvtier serve --instances 2`` (one core each) behind ``router`` (given
+    return kvtier_fleet(2, router, policy, shared, router_args)
+
+
+def kvtier_fleet(n: int, router: str, policy: str, shared: str = "fs",
+                 router_args: tuple[str, ...] = ()) -> Callable[[StackEnv], StartedConfig]:
+    """``kvtier serve --instances n`` (one core each) behind ``router`` (given
     ``router_args`` too), with one shared tier: ``fs`` (a folder of the run), ``s3`` (a
     SeaweedFS the stack starts in its run folder: a slow shared tier) or ``none`` (each
-    instance has only its own arena)."""
+    instance has only its own arena). Instance i's node server (its ``/metrics``) is on the
+    router's port + 101 + i."""
     if shared not in SHARED_KINDS:
         raise ValueError(f"shared: expected one of {SHARED_KINDS}, got {shared!r}")
 
     def start(env: StackEnv) -> StartedConfig:
-        # the router on P (vllm-router's metrics on P+100), the instances on P+1, P+2, their
-        # node servers on P+101, P+102, kv_aware's relays of their KV events on P+201, P+202
-        port = ports.free_base((0, 1, 2, 100, 101, 102, 201, 202))
+        # the router on P (vllm-router's metrics on P+100), the instances on P+1+i, their
+        # node servers on P+101+i, kv_aware's relays of their KV events on P+201+i
+        port = ports.free_base((0, 100, *(k + i for k in (1, 101, 201) for i in range(n))))
         extra: list[str] = []
         if router == "vllm-router":  # the benchmark installs its peer; kvtier serve never does
             from kvtier.bench.peers import ensure_vllm_router
@@ -300,7 +306,7 @@ def _two_instances(router: str, policy: str, shared: str = "fs",
         tier = {"fs": ["--shared", str(env.workdir / "shared")], "s3": ["--shared-local", "s3"],
                 "none": ["--shared", "none"]}[shared]
         size = ["--shared-size", str(env.disk_bytes)] if shared != "none" else []
-        argv = [env.python, "-m", "kvtier", "serve", "--instances", "2", "--model", env.model,
+        argv = [env.python, "-m", "kvtier", "serve", "--instances", str(n), "--model", env.model,
                 "--port", str(port), "--router", router, "--router-policy", policy, *extra,
                 *(f"--router-arg={a}" for a in router_args),
                 *tier, *size,
@@ -308,7 +314,7 @@ def _two_instances(router: str, policy: str, shared: str = "fs",
                 "--served-model-name", env.served_name, "--chunk-tokens",
                 str(env.chunk_tokens), "--enable-prefix-caching", *env.engine_args]
         stack = launch(env, [engine(f"stack-{router}-{policy}", argv, port)], port)
-        stack.metrics_urls = fleet_metrics(port, 2, router)
+        stack.metrics_urls = fleet_metrics(port, n, router)
         return stack
     return start
 
@@ -393,6 +399,9 @@ for _prefix, _shared, _setup in _SETUPS:
     for _suffix, _router, _policy, _args, _front in _FRONTS:
         register_stack(f"{_prefix}+{_suffix}", _setup + _front,
                        _two_instances(_router, _policy, shared=_shared, router_args=_args))
+register_stack("1x-noshare+roundrobin", "one instance (a core), only its own arena (no shared "
+               "tier), behind kvtier route, round robin",
+               kvtier_fleet(1, "kvtier", "roundrobin", shared="none"))
 register_stack("2x-plain+vllm-router", "two plain vLLM instances (a core each, no kvtier, no "
                "shared tier) behind vLLM's own router, round robin: the plain fleet",
                _plain_fleet(2, "vllm-router", "round_robin"))

@@ -187,7 +187,7 @@ class Sweep:
                           file=sys.stderr, flush=True)
                     try:
                         stack = spec.start(env)
-                        _warm_up(stack, self.args.served_model_name)
+                        warm_up(stack, self.args.served_model_name)
                     except KvtierError as exc:
                         stack = None
                         self.broken[name] = str(exc)
@@ -288,7 +288,7 @@ def _steal(machine: dict[str, Any] | None) -> dict[str, Any] | None:
             "spells": len(machine["steal_spells"])}
 
 
-def _warm_up(stack: StartedConfig, model: str) -> None:
+def warm_up(stack: StartedConfig, model: str) -> None:
     """One request before the first point: a fresh engine's first long prefill pays for its
     allocations."""
     import httpx

@@ -64,7 +64,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Fake:
                  "f+cache"):
         monkeypatch.setitem(stacks.STACKS, name, StackSpec(name, f"fake {name}",
                                                            fake.start(name)))
-    monkeypatch.setattr("kvtier.bench.sweep._warm_up", lambda _stack, _model: None)
+    monkeypatch.setattr("kvtier.bench.sweep.warm_up", lambda _stack, _model: None)
     monkeypatch.setattr(Sweep, "run_point", fake.run_point)
     return fake
 
