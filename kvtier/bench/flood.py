@@ -5,8 +5,9 @@ only the tier's client) writes journal notes at the caps — ``journal.MAX_RECOR
 plausible size, fresh random keys, a new writer id every few notes — as fast as it can, while
 a thread here looks up a 128K-token prompt (512 keys held in the arena) every millisecond and
 times each call. Quiet and flooded phases alternate (``repeats`` of each, interleaved); each
-phase reports the lookups' p50 and longest wait, and the flooded ones the records the reader
-took in (applied or refused past the bounds of bookings).
+phase reports the lookups' p50 and longest wait (a row per flooded phase, against the quiet
+phase before it), and the flooded ones the records the reader took in (applied or refused
+past the bounds of bookings).
 """
 
 from __future__ import annotations
@@ -158,6 +159,12 @@ def _report(quiet: list[tuple[float, float]], flood: list[tuple[float, float]],
                 figs["quiet_lookup_p50_ms"], "no flood"),
             Row("lookup 512 keys under a journal flood, max ms", figs["flood_lookup_max_ms"],
                 figs["quiet_lookup_max_ms"], "no flood")]
+    for i, records in enumerate(taken):  # each flooded phase against the quiet one before it
+        phase = f"  flooded phase {i + 1} ({records} records)"
+        rows += [Row(f"{phase}, p50 ms", figs["flood_lookup_p50_ms_each"][i],
+                     figs["quiet_lookup_p50_ms_each"][i], f"quiet phase {i + 1}"),
+                 Row(f"{phase}, max ms", figs["flood_lookup_max_ms_each"][i],
+                     figs["quiet_lookup_max_ms_each"][i], f"quiet phase {i + 1}")]
     return rows, figs
 
 
