@@ -75,10 +75,10 @@ class ShardedDict(MutableMapping[K, V]):
         return key in self._shards[(hash(key) >> self._shift) & MASK]
 
     def __setitem__(self, key: K, value: V) -> None:
-        shard = self._shard(key)
-        if key not in shard:
-            self._len += 1
+        shard = self._shards[(hash(key) >> self._shift) & MASK]
+        size = len(shard)
         shard[key] = value
+        self._len += len(shard) - size
 
     def __delitem__(self, key: K) -> None:
         del self._shard(key)[key]
