@@ -115,9 +115,9 @@ class EvictionPolicy(Generic[K]):
         """The priorities of ``_buckets``, lowest first (buckets are never dropped)."""
         self._priority: ShardedDict[K, int] = ShardedDict()
         """Each tracked key's priority (sharded: growing never rehashes every key at once)."""
-        self._parent: dict[K, K] = {}
+        self._parent: ShardedDict[K, K] = ShardedDict()
         """The chain parent of each tracked key inserted with one."""
-        self._until: dict[K, tuple[float, int]] = {}
+        self._until: ShardedDict[K, tuple[float, int]] = ShardedDict()
         """Each key whose priority falls back: its deadline and the heap entry's number."""
         self._due: list[tuple[float, int, list[K]]] = []
         """Deadlines, soonest first, each with the keys set to it together (tail first); a
@@ -373,7 +373,8 @@ class EvictionPolicy(Generic[K]):
     def largest_table(self) -> int:
         """Keys in the largest hash table of this policy (its algorithms' included): what
         one insert may rehash at once."""
-        return max([self._priority.largest_shard(), len(self._parent), len(self._until),
+        return max([self._priority.largest_shard(), self._parent.largest_shard(),
+                    self._until.largest_shard(),
                     *(bucket.largest_table() for bucket in self._buckets.values())])
 
     def __len__(self) -> int:
