@@ -42,6 +42,7 @@ from kvtier.policies.retention import (
     DEFAULT_PRIORITY,
     check_priority,
 )
+from kvtier.shards import ShardedDict
 
 K = TypeVar("K", bound=Hashable)
 
@@ -88,6 +89,11 @@ class Algorithm(ABC, Generic[K]):
     def evicted(self, key: K) -> None:
         """A key returned by ``victims`` was chosen; drop it (ghost lists may keep its name)."""
 
+    def largest_table(self) -> int:
+        """Keys in the largest hash table this algorithm holds: what one insert may rehash
+        at once. Default: all of them in one."""
+        return len(self)
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -107,10 +113,11 @@ class EvictionPolicy(Generic[K]):
         self._buckets: dict[int, Algorithm[K]] = {}
         self._ranked: list[int] = []
         """The priorities of ``_buckets``, lowest first (buckets are never dropped)."""
-        self._priority: dict[K, int] = {}
-        self._parent: dict[K, K] = {}
+        self._priority: ShardedDict[K, int] = ShardedDict()
+        """Each tracked key's priority (sharded: growing never rehashes every key at once)."""
+        self._parent: ShardedDict[K, K] = ShardedDict()
         """The chain parent of each tracked key inserted with one."""
-        self._until: dict[K, tuple[float, int]] = {}
+        self._until: ShardedDict[K, tuple[float, int]] = ShardedDict()
         """Each key whose priority falls back: its deadline and the heap entry's number."""
         self._due: list[tuple[float, int, list[K]]] = []
         """Deadlines, soonest first, each with the keys set to it together (tail first); a
@@ -362,6 +369,13 @@ class EvictionPolicy(Generic[K]):
         """Every tracked key in eviction order (for tests and admin views)."""
         self.expire()
         return [k for p in sorted(self._buckets) for k in self._buckets[p].victims()]
+
+    def largest_table(self) -> int:
+        """Keys in the largest hash table of this policy (its algorithms' included): what
+        one insert may rehash at once."""
+        return max([self._priority.largest_shard(), self._parent.largest_shard(),
+                    self._until.largest_shard(),
+                    *(bucket.largest_table() for bucket in self._buckets.values())])
 
     def __len__(self) -> int:
         return len(self._priority)

@@ -20,11 +20,12 @@ not every record.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from kvtier.errors import IntegrityError
+from kvtier.shards import ShardedDict
 
 log = logging.getLogger("kvtier.store")
 MIN_ENTRIES = 1024
@@ -55,7 +56,7 @@ class Bookings:
     def __init__(self, tier: str, limits: Limits) -> None:
         self.tier = tier
         self.limits = limits
-        self.peer_of: dict[Hashable, str] = {}
+        self.peer_of: ShardedDict[Hashable, str] = ShardedDict()
         self.bytes = 0
         self._count: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
@@ -149,7 +150,7 @@ class Bookings:
             self._full.discard(peer)
             log.debug("tier %s: peer %s is below its bound of bookings again", self.tier, peer)
 
-    def check_integrity(self, sizes: dict[Hashable, int]) -> None:
+    def check_integrity(self, sizes: Mapping[Hashable, int]) -> None:
         if any(key not in sizes for key in self.peer_of):
             raise IntegrityError(f"tier {self.tier}: a booking is not in the books")
         if self.bytes != sum(sizes[key] for key in self.peer_of):

@@ -120,6 +120,8 @@ class TieredStore:
         """The longest hold of the store lock per operation, wall time (see
         :class:`~kvtier.store.locking.StoreLock`)."""
         self.lock_cpu_max_s = self._lock.cpu_max_s
+        self.lock_holds = self._lock.holds
+        """Holds of the store lock per section so far."""
         self.events = EventLog()
         """What became servable in which tier, and what left (for engines' KV events)."""
         self.index = ArenaIndex(config.arena, arena_name, self.events, clock)

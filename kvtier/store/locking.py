@@ -70,6 +70,8 @@ class StoreLock:
         self.cpu_max_s: dict[str, float] = {}
         """The longest hold per section in the holding thread's CPU time (the store's own
         work, which a busy machine's preemption does not inflate)."""
+        self.holds: dict[str, int] = {}
+        """Holds per section so far (work split into bounded batches shows as many)."""
 
     @contextlib.contextmanager
     def held(self, section: str) -> Iterator[Hold]:
@@ -81,6 +83,7 @@ class StoreLock:
                 hold.end()
 
     def record(self, section: str, wall: float, cpu: float) -> None:
+        self.holds[section] = self.holds.get(section, 0) + 1
         if wall > self.max_s.get(section, 0.0):
             self.max_s[section] = wall
         if cpu > self.cpu_max_s.get(section, 0.0):

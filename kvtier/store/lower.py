@@ -40,6 +40,7 @@ from kvtier.config import TierConfig
 from kvtier.errors import IntegrityError
 from kvtier.keys import ChunkKey
 from kvtier.policies import DEFAULT_PRIORITY, AdmissionPolicy, EvictionPolicy
+from kvtier.shards import ShardedDict
 from kvtier.store.bookings import Bookings, Limit
 from kvtier.store.breaker import CircuitBreaker, OnChange
 from kvtier.store.changes import Change, Origin, TierChange, TierListener
@@ -83,7 +84,7 @@ class LowerTierState:
             write_back=self.write_back, fits_slot=self.tier.footprint(chunk_bytes_hint),
             available=self.breaker.allows, clock=clock)
         """Placement: what the tier holds, its eviction order and admission rules."""
-        self.namespaces: dict[ChunkKey, bytes] = {}
+        self.namespaces: ShardedDict[ChunkKey, bytes] = ShardedDict()
         """The namespace of each held chunk (shared tiers file chunks under it)."""
         self._interned: dict[bytes, bytes] = {}
         """One copy of each namespace this server wrote or listed (a peer's records may
@@ -115,7 +116,7 @@ class LowerTierState:
 
     # The books, read-only here: they change through the methods below.
     @property
-    def sizes(self) -> dict[ChunkKey, int]:
+    def sizes(self) -> ShardedDict[ChunkKey, int]:
         return self.books.sizes  # type: ignore[return-value]
 
     @property
@@ -411,6 +412,11 @@ class LowerTierState:
             self.books.set_capacity(self.configured)
             log.info("tier %s: capacity back to %d bytes (no write refused as full for %g s)",
                      self.name, self.configured, FULL_COOL_DOWN_S)
+
+    def largest_table(self) -> int:
+        """Keys in the largest hash table of this tier's books: what one change may rehash
+        at once (the interpreter does nothing else meanwhile: no lookup runs)."""
+        return max(self.books.largest_table(), self.namespaces.largest_shard())
 
     def check_integrity(self) -> None:
         self.books.check_integrity()

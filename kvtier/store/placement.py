@@ -41,6 +41,7 @@ from kvtier.policies import (
     make_admission,
     make_eviction,
 )
+from kvtier.shards import ShardedDict
 from kvtier.store.bookings import Bookings, Limits
 
 K = TypeVar("K", bound=Hashable)
@@ -71,7 +72,9 @@ class TierBooks:
         """The largest chunk an arena slot takes (``None``: any); a larger one is a miss."""
         self.available = available or _always
         """Whether reads and writes may go to the tier now (the store's breaker)."""
-        self.sizes: dict[Hashable, int] = {}
+        self.sizes: ShardedDict[Hashable, int] = ShardedDict()
+        """The size of each held chunk (sharded: a flood of peers' records never rehashes
+        the whole index in one go, :mod:`kvtier.shards`)."""
         self.used = 0
         self.reserved = 0
         """Bytes promised to copies under way (:meth:`make_room` until :meth:`add`)."""
@@ -236,6 +239,12 @@ class TierBooks:
     def set_capacity(self, capacity: int) -> None:
         """What the tier may hold from now on (learned from its free space)."""
         self.capacity = capacity
+
+    def largest_table(self) -> int:
+        """Keys in the largest hash table of these books: what one insert may rehash at once
+        (sharded, :mod:`kvtier.shards`: a small share of the keys)."""
+        return max(self.sizes.largest_shard(), self.bookings.peer_of.largest_shard(),
+                   self.policy.largest_table())
 
     def check_integrity(self) -> None:
         if set(self.sizes) != set(self.policy.order()):

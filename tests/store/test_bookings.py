@@ -27,7 +27,9 @@ from store_helpers import (
 )
 
 from kvtier.keys import ChunkKey
+from kvtier.shards import EPOCH
 from kvtier.store import TieredStore, journal
+from kvtier.store.sharing import APPLY_BATCH
 from store.test_untrusted import OLD, Servers, _fs, listed, put_journal, tier_of
 
 FS_ONLY = pytest.mark.parametrize("backend", [pytest.param(_fs, id="fs")], indirect=True)
@@ -183,11 +185,12 @@ def test_bookings_are_bounded_per_peer_and_per_tier(servers: Servers) -> None:
 def test_a_flood_of_records_leaves_nothing_for_the_garbage_collector(servers: Servers) -> None:
     """Applying notes at the caps leaves no long-lived objects the garbage collector tracks
     (a full collection walks them all, holding every thread; docs/shared.md): the books,
-    the bookings and the event log hold plain values only."""
+    the bookings and the event log hold plain values only, and the books' tables are plain
+    dicts the collector does not walk (an OrderedDict would add a visit per record)."""
     victim = servers("v", capacity=1 << 30)
     size = victim.tiers[0].fits_slot
     gc.collect()
-    before = len(gc.get_objects())
+    before, walked = len(gc.get_objects()), _walked(victim)
     names = [put_journal(victim, [["+", NS, k, size] for k in phantoms(journal.MAX_RECORDS)],
                          server=f"{i:016x}") for i in range(12)]
     assert wait_until(lambda: all(applied(victim, n) for n in names), 60.0)
@@ -195,7 +198,36 @@ def test_a_flood_of_records_leaves_nothing_for_the_garbage_collector(servers: Se
     gc.collect()
     grown = len(gc.get_objects()) - before
     assert grown < 1000, f"{grown} more objects tracked after {len(names)} notes"
+    more = _walked(victim) - walked
+    assert more < 5000, f"a full collection visits {more} more references after 49,152 records"
     assert victim.lock_cpu_max_s["journal"] < 0.05
+    victim.check_integrity()
+
+
+def _walked(store: TieredStore) -> int:
+    """References a full collection follows: from every object the collector tracks but the
+    store's event log (bounded: its last 65,536 events)."""
+    log = store.events._events
+    return sum(len(gc.get_referents(obj)) for obj in gc.get_objects() if obj is not log)
+
+
+@FS_ONLY
+def test_a_flood_is_applied_in_short_holds_that_rehash_little(servers: Servers) -> None:
+    """Notes at the caps from twelve peers: each hold of the store lock applies at most
+    APPLY_BATCH records, and no table of the books holds more than an epoch of keys (a
+    growing dict rehashes every key it holds at once, and no other thread runs meanwhile),
+    though the books hold twelve times that."""
+    victim = servers("v", capacity=1 << 30)
+    state = victim.tiers[0]
+    size = state.fits_slot
+    holds = victim.lock_holds.get("journal", 0)
+    names = [put_journal(victim, [["+", NS, k, size] for k in phantoms(journal.MAX_RECORDS)],
+                         server=f"{i:016x}") for i in range(12)]
+    assert wait_until(lambda: all(applied(victim, n) for n in names), 60.0)
+    records = 12 * journal.MAX_RECORDS
+    assert state.bookings.count == records
+    assert victim.lock_holds["journal"] - holds >= records // APPLY_BATCH
+    assert state.largest_table() <= EPOCH < records // 10
     victim.check_integrity()
 
 

@@ -178,7 +178,7 @@ def test_check_integrity_finds_books_that_disagree() -> None:
 def test_the_core_imports_no_runtime_piece_and_no_trace() -> None:
     """Pure: no threads, I/O, slots or lock, and nothing of its callers (store, trace)."""
     allowed = {"__future__", "collections.abc", "typing", "kvtier.errors", "kvtier.policies",
-               "kvtier.store.bookings"}
+               "kvtier.store.bookings", "kvtier.shards"}
     for module in (placement, bookings):  # the books' bookings are plain data too (and a log)
         tree = ast.parse(Path(module.__file__ or "").read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)

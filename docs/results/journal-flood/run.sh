@@ -1,27 +1,26 @@
 #!/bin/bash
-# Lookups while a peer floods the journal, this tree ("after") against main before the
-# bookings work ("before": fd9a002, with the same flood case copied in), runs interleaved.
+# Lookups while a peer floods the journal: this tree ("after") against main ("before"; the
+# same flood case copied in), three runs of each, interleaved, the load average before each.
 # Each run is `kvtier bench micro --cases flood`: 3 quiet and 3 flooded phases, interleaved.
-# Usage: flock /tmp/kvtier-heavy.lock docs/results/journal-flood/run.sh OUT_DIR
+# Usage: flock /tmp/kvtier-heavy.lock docs/results/journal-flood/run.sh OUT_DIR [BASE]
 set -eu
 out=${1:?an output folder}
 here=$(cd "$(dirname "$0")/../../.." && pwd)
+rev=${2:-main}
 base=$(mktemp -d /tmp/kvtier-flood-base-XXXXXX)
-git -C "$here" archive fd9a002 kvtier | tar -x -C "$base"
+git -C "$here" archive "$rev" kvtier | tar -x -C "$base"
 cp "$here/kvtier/bench/flood.py" "$base/kvtier/bench/"
 mkdir -p "$out"
-for i in 1 2; do
-  echo "=== after $i $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
-  PYTHONPATH=$here python -m kvtier.cli bench micro --cases flood --json "$out/after-$i.json" \
-    2>&1 | grep -v "^tier shared"
-  echo "=== before $i $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
-  (cd "$base" && PYTHONPATH=$base python -c "
-import json
-from kvtier.bench import flood
-rows, figs = flood.bench(None, 3)
-for row in rows:
-    print(row)
-json.dump(figs, open('$out/before-$i.json', 'w'), indent=2, sort_keys=True)
-" 2>&1 | grep -v "^tier shared")
+echo "after: $(git -C "$here" rev-parse --short HEAD) (+ uncommitted: $(git -C "$here" status --porcelain kvtier | wc -l) files)"
+echo "before: $rev = $(git -C "$here" rev-parse --short "$rev")"
+for i in 1 2 3; do
+  for side in after before; do
+    tree=$here
+    [ "$side" = before ] && tree=$base
+    echo "=== $side $i $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
+    (cd "$tree" && PYTHONPATH=$tree python -m kvtier.cli bench micro --cases flood \
+      --json "$out/$side-$i.json" 2>&1 | grep -v "^tier shared")
+  done
 done
+echo "=== end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
 rm -rf "$base"
