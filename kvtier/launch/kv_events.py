@@ -33,7 +33,10 @@ log = logging.getLogger("kvtier.launch")
 
 HWM = 100_000
 """Messages queued per stream (in and out) before ZMQ drops: vLLM's own default."""
-TOPIC = "kv-events"
+TOPIC = ""
+"""vLLM's default topic. vllm-router's static ``--kv-event-source`` follows only that one: it
+has no option for another, and drops every message published under another topic (its index
+stays empty and ``kv_aware`` credits no prefix)."""
 POLL_MS = 200
 
 

@@ -83,7 +83,7 @@ class Fleet:
         self.instances: list[Instance] = []
         self.router: subprocess.Popen[bytes] | None = None
         self.baseline: subprocess.Popen[bytes] | None = None
-        self.prompts: dict[str, str] = {}
+        self.prompts: dict[str, str | list[int]] = {}
         self.expected: dict[str, str] = {}
         """The baseline's text for each prompt."""
         self.weed = HostSeaweedFS(self.shared).start()
@@ -173,6 +173,22 @@ class Fleet:
         log = self.root / "router.log"
         self.router = self.router_host.spawn(argv, log=log, env=self.env)
         self.wait_serving(self.router_url, self.router, log)
+
+    def start_dns_router(self, name: str) -> str:
+        """``kvtier route --backends-dns http://NAME:PORT`` on a host of its own, whose
+        resolver answers ``name`` with every instance's address (its hosts file, which ``ip
+        netns exec`` puts over /etc/hosts: the system resolver, as a headless Service's A
+        records would be); its URL."""
+        host = self.network.add_host("dns")
+        host.hosts_file({name: [i.host.address for i in self.instances]})
+        argv = [sys.executable, "-m", "kvtier", "route", "--backends-dns",
+                f"http://{name}:{API_PORT}", "--kvtier-server-port", str(NODE_PORT),
+                "--discovery-interval-s", str(DISCOVERY_S), "--strategy", "cache", "--host",
+                host.address, "--port", str(API_PORT), "--health-interval-s", "1"]
+        log = self.root / "dns-router.log"
+        popen = host.spawn(argv, log=log, env=self.env)
+        self.wait_serving(host.url(API_PORT), popen, log)
+        return host.url(API_PORT)
 
     def start_vllm_router(self, binary: str) -> str:
         """vllm-router ``kv_aware`` on a host of its own, subscribed to each instance's KV

@@ -42,6 +42,8 @@ from typing import Any, TypeVar
 from kvtier.processes import alive, spawn
 
 PREFIX = "kvh-"
+ETC_NETNS = Path("/etc/netns")
+"""``ip netns exec NAME`` puts the files of ETC_NETNS/NAME over /etc's (a host's resolver)."""
 _STALE = re.compile(rf"{PREFIX}(\d+)-")
 _CLONE_NEWNET = 0x40000000
 _STOP_S = 10.0
@@ -79,12 +81,17 @@ def ns_pids(name: str) -> list[int]:
 
 
 def sweep_stale() -> list[str]:
-    """Remove the ``kvh-PID-*`` namespaces whose test process ``PID`` is gone."""
+    """Remove the ``kvh-PID-*`` namespaces whose test process ``PID`` is gone (and the
+    hosts files they had in /etc/netns)."""
     gone = [n for n in namespaces()
             if (m := _STALE.match(n)) and not alive(int(m.group(1)))]
     for name in gone:
         _empty(name)
         ip("netns", "del", name, check=False)
+    if ETC_NETNS.is_dir():
+        for folder in ETC_NETNS.iterdir():
+            if (m := _STALE.match(folder.name)) and not alive(int(m.group(1))):
+                shutil.rmtree(folder, ignore_errors=True)
     return gone
 
 
@@ -134,6 +141,15 @@ class Host:
             self._pool = ThreadPoolExecutor(4, thread_name_prefix=self.name,
                                             initializer=_enter, initargs=(self.name,))
         return self._pool.submit(fn, *args, **kw).result(timeout=timeout_s)
+
+    def hosts_file(self, names: Mapping[str, Sequence[str]]) -> None:
+        """What this host's resolver answers: each name's addresses (its own /etc/hosts, seen
+        by the processes :meth:`spawn` starts from now on); removed with the network."""
+        folder = ETC_NETNS / self.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
+            f"{address} {name}\n" for name, addresses in names.items()
+            for address in addresses))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -230,6 +246,7 @@ class Network:
             if name in existing:
                 _empty(name)
                 ip("netns", "del", name, check=False)
+            shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
 
     def __enter__(self) -> Network:
         return self

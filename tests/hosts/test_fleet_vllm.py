@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,14 +30,24 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.services]
 CHUNK = 256
 
 
-def _prompts() -> dict[str, str]:
+def _prompts(model: str) -> dict[str, str | list[int]]:
+    """Text prompts, and token-id prompts for vllm-router's kv_aware (the plain vLLM answers
+    the same token ids)."""
+    from transformers import AutoTokenizer
+
     from kvtier.demo.model import corpus_text
 
     text = corpus_text()
     run = uuid.uuid4().hex[:8]
-    return {"direct": f"hosts direct {run}\n{text[:9000]}",
-            "routed": f"hosts routed {run}\n{text[1000:10000]}",
-            "short": f"hosts short {run}: the quick brown fox"}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts: dict[str, str | list[int]] = {
+        "direct": f"hosts direct {run}\n{text[:9000]}",
+        "routed": f"hosts routed {run}\n{text[1000:10000]}",
+        "short": f"hosts short {run}: the quick brown fox"}
+    for name in [*(f"kv_aware {n}" for n in range(len(KV_AWARE_HOLDERS))), "kv_aware fresh"]:
+        ids = tokenizer(f"{name} {run} {uuid.uuid4().hex}\n{text[40:5000]}")["input_ids"]
+        prompts[name] = list(ids)
+    return prompts
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +62,7 @@ def fleet(can_make_hosts: None, tmp_path_factory: pytest.TempPathFactory) -> Ite
             fleet.add_instance()
         fleet.start_baseline(model)
         fleet.wait_serving(fleet.client.url(API_PORT), fleet.baseline, root / "baseline.log")
-        fleet.prompts = _prompts()
+        fleet.prompts = _prompts(model)
         fleet.expected = {
             name: fleet.complete(fleet.client.url(API_PORT), p)["choices"][0]["text"]
             for name, p in fleet.prompts.items()}
@@ -118,38 +129,95 @@ def test_kvtier_verify_passes_across_hosts(fleet: Fleet) -> None:
     assert "the router lists 2 instance(s) and their node servers" in result.stdout
 
 
-def test_vllm_router_kv_aware_reads_each_hosts_kv_events_on_its_own_address(
+def test_a_router_finds_the_instances_by_a_dns_name(fleet: Fleet) -> None:
+    """``kvtier route --backends-dns http://NAME:8000`` on a host whose resolver gives NAME
+    both instance hosts' addresses (a headless Service's A records, in a hosts file): both are
+    its backends, each with its node server at the same address, and it answers with the
+    plain vLLM's tokens."""
+    url = fleet.start_dns_router("fleet.kvh.test")
+    wanted = sorted((i.url, i.node) for i in fleet.instances)
+
+    def listed() -> list[tuple[str, str]]:
+        status, doc = fleet.client.call(http, url + "/kvtier/backends")
+        assert status == 200, (status, doc)
+        return sorted((b["url"], b["node"]) for b in doc["backends"] if b["up"])
+
+    wait_for(lambda: listed() == wanted, timeout_s=DISCOVERY_S + 10, every_s=0.2,
+             what="the DNS router listing both instance hosts")
+    for _ in range(2):
+        answer = fleet.complete(url, fleet.prompts["routed"])
+        assert answer["choices"][0]["text"] == fleet.expected["routed"]
+
+
+def test_vllm_router_kv_aware_routes_each_prefix_to_the_host_that_holds_it(
         fleet: Fleet) -> None:
     """Each instance publishes its KV events on its own host (``tcp://*:PORT``: the host's
     addresses only), and a subscriber on another host receives them: no relay. vllm-router
-    ``kv_aware`` on a host of its own subscribes to each instance's address and routes
-    token-id completions (the only requests it makes a prefix decision for, in 0.1.17) with
-    the text the instances give directly. Not asserted: that it routes a prefix to its
-    holder: its decisions credited 0 prefix tokens here (``credited_prefix_tokens=0``)."""
-    from transformers import AutoTokenizer
-
+    ``kv_aware`` on a host of its own subscribes to each instance's address. A prompt computed
+    on one host, then sent through vllm-router (twice), is credited with the prefix that host's
+    events announced and goes to that host, for each of 4 prefixes held by alternating hosts;
+    a prompt no host computed is credited nothing. Token-id prompts: the only ones 0.1.17 makes
+    a prefix decision for (it does not tokenize for HTTP workers). Texts equal the plain
+    vLLM's for the same token ids."""
     from kvtier.bench.peers import ensure_vllm_router
-    from kvtier.demo import ensure_demo_model
 
     for instance in fleet.instances:
         frames = fleet.client.call(events_seen, instance.host.address, lambda i=instance:
                                    fleet.complete(i.url, f"events {uuid.uuid4().hex}\n"
-                                                 + fleet.prompts["routed"][:3000]))
+                                                 + str(fleet.prompts["routed"])[:3000]))
         assert frames > 0, f"no KV events from {instance.host.address}:{KV_EVENTS_PORT}"
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
     url = fleet.start_vllm_router(str(ensure_vllm_router()))
-    for holder in (1, 0):
-        text = f"kv_aware {holder} {uuid.uuid4().hex}\n" + fleet.prompts["routed"][40:6000]
-        prompt = tokenizer(text)["input_ids"]
-        first = fleet.complete(fleet.instances[holder].url, prompt)
-        again = fleet.complete(url, prompt)
-        assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    log = re.sub(r"\x1b\[[0-9;]*m", "", (fleet.root / "vllm-router.log").read_text())
+    log = fleet.root / "vllm-router.log"
     for instance in fleet.instances:
         assert (f"subscriber for {instance.url} rank0 on "
-                f"tcp://{instance.host.address}:{KV_EVENTS_PORT}") in log, log[-3000:]
-    decisions = re.findall(r'KV prefix decision outcome="(\w+)"', log)
-    assert decisions.count("prefix_cost") >= 2, decisions
+                f"tcp://{instance.host.address}:{KV_EVENTS_PORT}") in router_log(log)
+    for n, holder in enumerate(KV_AWARE_HOLDERS):
+        name = f"kv_aware {n}"
+        one = fleet.instances[holder]
+        other = fleet.instances[1 - holder]
+        seen = batches_from(log, one.url)
+        first = fleet.complete(one.url, fleet.prompts[name])
+        wait_for(lambda u=one.url, s=seen: batches_from(log, u) > s, timeout_s=15,
+                 every_s=0.1, what=f"vllm-router reading {one.url}'s events of prefix {n}")
+        before = served(fleet, one.url), served(fleet, other.url)
+        for _ in range(2):
+            made = len(decisions(log))
+            again = fleet.complete(url, fleet.prompts[name])
+            outcome, worker, credited = decisions(log)[made]
+            print(f"prefix {n} on {one.url}: {outcome} {worker} credited {credited}")
+            full = len(fleet.prompts[name]) // BLOCK * BLOCK  # the prompt's full blocks
+            assert (outcome, worker) == ("prefix_cost", one.url)
+            assert max(full - BLOCK, 4 * BLOCK) <= credited <= full, (credited, full)
+            assert again["choices"][0]["text"] == first["choices"][0]["text"] \
+                == fleet.expected[name]
+        assert (served(fleet, one.url), served(fleet, other.url)) == (before[0] + 2, before[1])
+    made = len(decisions(log))
+    fresh = fleet.complete(url, fleet.prompts["kv_aware fresh"])
+    assert fresh["choices"][0]["text"] == fleet.expected["kv_aware fresh"]
+    assert decisions(log)[made][::2] == ("prefix_cost", 0), "credited a prefix no host computed"
+
+
+BLOCK = 128
+"""The CPU build's block size (vllm-router's ``--kv-event-block-size``)."""
+KV_AWARE_HOLDERS = (1, 0, 1, 0)
+"""Which instance computes each kv_aware prefix first."""
+
+
+def router_log(path: Path) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", path.read_text())
+
+
+def decisions(path: Path) -> list[tuple[str, str, int]]:
+    """vllm-router's prefix decisions so far (its debug log): outcome, worker, credited
+    prefix tokens."""
+    return [(outcome, worker, int(credited)) for outcome, worker, credited in re.findall(
+        r'KV prefix decision outcome="(\w+)" worker="([^"]+)" .*?credited_prefix_tokens=(\d+)',
+        router_log(path))]
+
+
+def batches_from(path: Path, url: str) -> int:
+    """KV-event batches vllm-router applied from ``url``'s stream (its debug log)."""
+    return router_log(path).count(f"live sequence advanced source={url} ")
 
 
 def events_seen(address: str, request: Any) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hosts.netns import Network, ip, namespaces, ns_pids, sweep_stale, wait_for
+from hosts.netns import ETC_NETNS, Network, ip, namespaces, ns_pids, sweep_stale, wait_for
 
 
 def listen(address: str) -> socket.socket:
@@ -104,11 +105,14 @@ def test_stale_namespaces_of_a_dead_run_are_swept(can_make_hosts: None) -> None:
     dead = _dead_pid()
     name = f"kvh-{dead}-0-h1"
     ip("netns", "add", name)
+    (ETC_NETNS / name).mkdir(parents=True)  # the hosts file a killed run left
     try:
         assert name in sweep_stale()
         assert name not in namespaces()
+        assert not (ETC_NETNS / name).exists()
     finally:
         ip("netns", "del", name, check=False)
+        shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
     mine = f"kvh-{os.getpid()}-99-h1"
     ip("netns", "add", mine)
     try:
@@ -129,3 +133,19 @@ def test_hosts_get_distinct_addresses(network: Network, hosts: int) -> None:
     made = [network.add_host() for _ in range(hosts)]
     assert len({h.address for h in made}) == hosts
     assert all(h.address.startswith(network.subnet + ".") for h in made)
+
+
+def test_a_hosts_own_resolver_answers_its_names_and_goes_with_the_network(
+        make_network: object) -> None:
+    network = make_network()  # type: ignore[operator]
+    host, other = network.add_host(), network.add_host()
+    host.hosts_file({"fleet.kvh.test": [host.address, other.address]})
+    answer = host.run(["getent", "ahostsv4", "fleet.kvh.test"]).stdout
+    assert {line.split()[0] for line in answer.splitlines()} == {host.address, other.address}
+    assert host.run(["getent", "hosts", "fleet.kvh.test"]).returncode == 0
+    assert other.run(["getent", "hosts", "fleet.kvh.test"]).returncode == 2, \
+        "another host's resolver answered the name"
+    assert not Path("/etc/hosts").read_text().count("fleet.kvh.test")
+    folder = ETC_NETNS / host.name
+    network.close()
+    assert not folder.exists(), "the host's hosts file outlived the network"

@@ -7,6 +7,7 @@ KV events to it through the relay (:mod:`kvtier.launch.kv_events`). Real files a
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -136,6 +137,9 @@ def test_kv_aware_gets_each_instances_relayed_events(tmp_path: Path, nowhere: Pa
     assert argv[argv.index("--kv-event-model") + 1] == "chat"
     events = stack.instance_argv(1)[stack.instance_argv(1).index("--kv-events-config") + 1]
     assert stack.kv_event_endpoint(1).startswith("ipc://") and stack.kv_event_endpoint(1) in events
+    # vLLM's default topic: the only one vllm-router's static sources take in (none other is
+    # settable; under "kv-events" it dropped every message and credited no prefix)
+    assert json.loads(events)["topic"] == ""
     assert "--kv-events-config" not in Stack(options()).instance_argv(0)
     with pytest.raises(ConfigError, match="kv_aware needs the instances' KV-event sources"):
         router_argv(o.router, o.policy, o.host, o.port, ["http://a:1"], [], o.vllm_router)
