@@ -240,11 +240,12 @@ class Simulator:
             self._finished(request.blocks, *request.finish)
             return
         wanted = (MIN_PRIORITY, None) if request.end else (self.priority, self.until)
+        stronger = _lasting(wanted)
         for tier in self.tiers:
             policy = tier.books.policy
             blocks = list(request.blocks) if request.end else [
                 b for b in request.blocks
-                if (held := policy.retention(b)) is not None and _lasting(held) < _lasting(wanted)]
+                if (held := policy.retention(b)) is not None and _lasting(held) < stronger]
             tier.books.set_priorities(blocks, *wanted)
         self.priority, self.until = DEFAULT_PRIORITY, None
 
@@ -285,6 +286,13 @@ class Simulator:
                 record_use(self.recorders, admission_key(block))
         served = [HOST] * prefix
         host = self.host.books.policy
+        if not sources and not self.through:  # all in host, nothing to copy: just touch
+            touch = host.touch
+            for j in reversed(range(prefix)):  # tail first: the head ends most recent
+                touch(blocks[j])
+            self.host.hits += prefix
+            self._complete_io()
+            return served
         for j in reversed(range(prefix)):  # tail first: the head ends most recent
             block = blocks[j]
             source = sources.get(block)
