@@ -118,10 +118,12 @@ class EvictionPolicy(Generic[K]):
         self._parent: ShardedDict[K, K] = ShardedDict()
         """The chain parent of each tracked key inserted with one."""
         self._until: ShardedDict[K, tuple[float, int]] = ShardedDict()
-        """Each key whose priority falls back: its deadline and the heap entry's number."""
-        self._due: list[tuple[float, int, list[K]]] = []
-        """Deadlines, soonest first, each with the keys set to it together (tail first); a
-        key whose ``_until`` no longer names the entry is skipped lazily."""
+        """Each key whose priority falls back: its deadline and the heap entry's number (the
+        entry's own ``mark`` object; sharded like ``_priority``)."""
+        self._due: list[tuple[float, int, tuple[float, int], list[K]]] = []
+        """Deadlines, soonest first: (deadline, number, mark, the keys set to it together,
+        tail first); a key whose ``_until`` is no longer the entry's mark is skipped lazily
+        (numbers are unique, so heap order never compares marks or keys)."""
         self._due_keys = 0
         """Keys listed in ``_due``, stale ones included (compacted when they dominate)."""
         self._seq = 0
@@ -183,7 +185,8 @@ class EvictionPolicy(Generic[K]):
         tracked = self._priority
         moved = [key for key in reversed(keys) if key in tracked]
         for key in moved:
-            self._move(key, priority)
+            if tracked[key] != priority:  # at its priority already: only the deadline moves
+                self._move(key, priority)
         self._set_until(moved, priority, until)
 
     def priority(self, key: K) -> int | None:
@@ -215,12 +218,11 @@ class EvictionPolicy(Generic[K]):
             return 0
         now, moved, seen = self.clock(), 0, 0
         while due and due[0][0] <= now and (limit is None or seen < limit):
-            until, seq, keys = heapq.heappop(due)
+            _until, _seq, mark, keys = heapq.heappop(due)
             seen += len(keys)
             self._due_keys -= len(keys)
-            mark = (until, seq)
             for key in keys:
-                if self._until.get(key) == mark:  # else changed or gone since
+                if self._until.get(key) is mark:  # else changed or gone since
                     del self._until[key]
                     self._move(key, DEFAULT_PRIORITY)
                     moved += 1
@@ -252,33 +254,33 @@ class EvictionPolicy(Generic[K]):
     def _set_until(self, keys: list[K], priority: int, until: float | None) -> None:
         """Give ``keys`` (in the order they are to fall back) one deadline, or none."""
         if until is None or priority == DEFAULT_PRIORITY:
-            for key in keys:
-                self._until.pop(key, None)
+            if self._until:
+                for key in keys:
+                    self._until.pop(key, None)
             return
         if not keys:
             return
         self._seq += 1
         mark = (until, self._seq)
-        for key in keys:
-            self._until[key] = mark
-        heapq.heappush(self._due, (until, self._seq, keys))
+        self._until.update(dict.fromkeys(keys, mark))
+        heapq.heappush(self._due, (until, self._seq, mark, keys))
         self._due_keys += len(keys)
         if self._due_keys > 2 * len(self._until) + 64:  # stale entries: compact, amortized
             self._compact()
 
     def _compact(self) -> None:
         live = self._until
-        due = [(u, n, kept) for u, n, keys in self._due
-               if (kept := [k for k in keys if live.get(k) == (u, n)])]
+        due = [(u, n, mark, kept) for u, n, mark, keys in self._due
+               if (kept := [k for k in keys if live.get(k) is mark])]
         heapq.heapify(due)
         self._due = due
-        self._due_keys = sum(len(keys) for _, _, keys in due)
+        self._due_keys = sum(len(keys) for _, _, _, keys in due)
 
     @staticmethod
     def _check_until(until: float | None) -> float | None:
         if until is None:
             return None
-        if isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(
+        if isinstance(until, bool) or not isinstance(until, (int, float)) or not math.isfinite(
                 until):
             raise ValueError(f"until must be a finite time or None, got {until!r}")
         return float(until)

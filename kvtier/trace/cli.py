@@ -1,4 +1,4 @@
-"""``kvtier trace analyze | simulate | generate``: size the tiers from request traces.
+"""``kvtier trace analyze | simulate | generate | agents``: size the tiers from request traces.
 
 ``register(subparsers)`` adds the ``trace`` command to kvtier's CLI; each subcommand's
 ``func(args)`` returns the exit code. Errors kvtier raises on purpose (a malformed trace line,
@@ -16,8 +16,16 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.policies import EVICTION, check_priority
+from kvtier.trace.agentic import load_agentic
 from kvtier.trace.analyze import Analysis, analyze
-from kvtier.trace.formats import FORMATS, MOONCAKE_BLOCK_TOKENS, Trace, load_trace, write_mooncake
+from kvtier.trace.formats import (
+    FORMATS,
+    MOONCAKE_BLOCK_TOKENS,
+    Request,
+    Trace,
+    load_trace,
+    write_mooncake,
+)
 from kvtier.trace.generate import GenConfig, generate
 from kvtier.trace.hints import HINT_PRIORITY, apply_hints
 from kvtier.trace.options import build_specs, parse_admission, parse_eviction, parse_tier
@@ -41,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_analyze(commands)
     _add_simulate(commands)
     _add_generate(commands)
+    _add_agents(commands)
 
 
 def _add_input(p: argparse.ArgumentParser) -> None:
@@ -87,11 +96,14 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-hit-loss", type=float, default=0.01,
                    help="hit ratio an admission rule may cost (default 0.01 = 1 point)")
     p.add_argument("--hints", default="trace", metavar="SOURCE",
-                   help="retention hints: trace (its own fields), none, router:TTL (retain "
-                        "after tool calls for TTL s), continues:T (oracle: the session's next "
-                        "request within T s)")
+                   help="retention hints: trace (its own fields), none, session[:TOOL_S,"
+                        "STOP_S[,STOP_PRIORITY]] (the router's, from each answer's stop reason: "
+                        "default 80 for 120 s after tool calls, 50 for 600 s after an end of "
+                        "turn), router:TTL (retain after tool calls for TTL s), continues:T "
+                        "(oracle: the session's next request within T s)")
     p.add_argument("--hint-priority", type=int, default=HINT_PRIORITY,
-                   help=f"priority derived hints retain at (default {HINT_PRIORITY})")
+                   help=f"priority derived hints retain at (after tool calls with session; "
+                        f"default {HINT_PRIORITY})")
     p.add_argument("--json", metavar="FILE", help="write results as JSON ('-': stdout)")
     p.set_defaults(func=run_simulate)
 
@@ -104,6 +116,18 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, type=type(value), default=value, help=f"default {value}")
     p.set_defaults(func=run_generate)
+
+
+def _add_agents(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("agents", help="write Claude Code agent traces (kv-cache-tester's "
+                                            "per-conversation JSON) as one Mooncake-format trace")
+    p.add_argument("paths", nargs="+", help="trace files, or folders of *.json files")
+    p.add_argument("-o", "--output", default="-", help="file to write ('-': stdout)")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="mean gap between conversation starts (exponential; default 0: "
+                        "all start together)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the start gaps")
+    p.set_defaults(func=run_agents)
 
 
 def load(args: argparse.Namespace) -> Trace:
@@ -281,15 +305,23 @@ def _targets_text(targets: dict[str, Any], block_tokens: int) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     config = GenConfig(**{name: getattr(args, name) for name in vars(GenConfig())})
-    requests = generate(config)
-    if args.output == "-":
+    _write(generate(config), args.output)
+    return 0
+
+
+def run_agents(args: argparse.Namespace) -> int:
+    _write(load_agentic(args.paths, args.stagger_s, args.seed), args.output)
+    return 0
+
+
+def _write(requests: list[Request], output: str) -> None:
+    if output == "-":
         write_mooncake(requests, sys.stdout)
     else:
-        with open(args.output, "w", encoding="utf-8") as out:
+        with open(output, "w", encoding="utf-8") as out:
             write_mooncake(requests, out)
     blocks = sum(len(r.blocks) for r in requests)
-    print(f"generated {len(requests):,} requests, {blocks:,} block accesses", file=sys.stderr)
-    return 0
+    print(f"wrote {len(requests):,} requests, {blocks:,} block accesses", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -54,6 +54,10 @@ class Request:
     """A hint: the session ends with this request (its prefix is released)."""
     stop_reason: str | None = None
     """Why the answer ended (``tool_calls``, ``stop``, ...), when the trace says."""
+    finish: tuple[int, float | None] | None = None
+    """A hint set once the answer is known (the router's, from its stop reason): the whole
+    prompt is moved to it, replacing what its blocks hold. Derived by ``--hints``, not
+    read from a trace file."""
 
     @property
     def full_blocks(self) -> int:
@@ -126,6 +130,8 @@ class TraceReader:
         self.skip_bad = skip_bad
         self.on_bad = on_bad
         self.ignored = 0
+        self._ids: dict[int, int] = {}
+        """One int object per block id: a long trace's tuples share them (memory)."""
 
     def read(self, stream: TextIO) -> Iterator[Request]:
         for lineno, line in enumerate(stream, start=1):
@@ -150,7 +156,7 @@ class TraceReader:
         if self.format is None:
             self.format = _detect(obj)
         if self.format == "mooncake":
-            return _mooncake(obj, self.block_tokens)
+            return _mooncake(obj, self.block_tokens, self._ids)
         if obj.get("op") != "lookup":
             self.ignored += 1
             return None
@@ -178,7 +184,7 @@ def _detect(obj: dict[str, Any]) -> Format:
     )
 
 
-def _mooncake(obj: dict[str, Any], block_tokens: int) -> Request:
+def _mooncake(obj: dict[str, Any], block_tokens: int, interned: dict[int, int]) -> Request:
     ts_ms = _number(obj, "timestamp")
     input_tokens = _count(obj, "input_length")
     output_tokens = _count(obj, "output_length")
@@ -191,7 +197,8 @@ def _mooncake(obj: dict[str, Any], block_tokens: int) -> Request:
             f"'hash_ids' has {len(ids)} ids but input_length {input_tokens} needs "
             f"ceil({input_tokens}/{block_tokens}) = {expected}"
         )
-    return Request(ts_ms / 1000.0, input_tokens, output_tokens, tuple(ids), block_tokens,
+    blocks = tuple(map(interned.setdefault, ids, ids))
+    return Request(ts_ms / 1000.0, input_tokens, output_tokens, blocks, block_tokens,
                    *_hints(obj))
 
 

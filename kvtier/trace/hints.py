@@ -10,6 +10,15 @@ simulate`` replays them through the store's placement core. Sources (``--hints``
     router:TTL         what the router knows: an answer that ended in tool calls is a session
                        that continues within seconds (retain at PRIORITY for TTL s); any other
                        (an end of turn) gets none; a session's explicit end releases
+    session[:TOOL_S,STOP_S[,STOP_PRIORITY]]
+                       what the router derives from the stop reason of a session's last
+                       answer, and nothing else: once an answer ends in tool calls the
+                       prompt is set to PRIORITY for TOOL_S (default 80 for 120 s: the next
+                       turn comes while the tool runs); once it ends a turn (any other known
+                       stop reason), to STOP_PRIORITY for STOP_S (default 50 for 600 s: a
+                       lower bonus that expires); an unknown one changes nothing. A request
+                       enters at what its session's previous answer earned; an explicit end
+                       releases
     continues:T        an oracle: a request whose session's next request comes within T s
                        is retained for T s; one whose session does not continue within T is
                        released (what the bound "oracle-which" knows, delivered through the
@@ -27,7 +36,7 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.policies.retention import MAX_RETAIN_S, check_duration
+from kvtier.policies.retention import MAX_RETAIN_S, check_duration, check_priority
 from kvtier.trace.formats import Request
 
 HINT_PRIORITY = 80
@@ -35,12 +44,31 @@ HINT_PRIORITY = 80
 MIN_SHARED = 2
 """Leading blocks a request must share with an earlier one to continue its conversation."""
 TOOL_STOPS = frozenset({"tool_calls", "tool_use", "function_call"})
-SOURCES = ("trace", "none", "router:TTL", "continues:T")
+SOURCES = ("trace", "none", "session[:TOOL_S,STOP_S[,STOP_PRIORITY]]", "router:TTL",
+           "continues:T")
+SESSION_TOOL_S = 120.0
+"""How long the router keeps a prefix after an answer that ended in tool calls."""
+SESSION_STOP_S = 600.0
+"""How long the router keeps a prefix after an answer that ended a turn."""
+SESSION_STOP_PRIORITY = 50
+"""The priority of a prefix whose last answer ended a turn: above the default, below a
+session in a tool loop."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionHints:
+    """The ``session`` source's retentions: after tool calls, and after an end of turn."""
+
+    tool: tuple[int, float]
+    stop: tuple[int, float]
 
 
 def parse_source(text: str) -> tuple[str, float | None]:
     """``--hints`` as (kind, seconds); ConfigError naming what is allowed otherwise."""
     kind, _, arg = text.partition(":")
+    if kind == "session":
+        parse_session(text)
+        return kind, None
     if kind in ("trace", "none") and not arg:
         return kind, None
     if kind in ("router", "continues") and arg:
@@ -50,6 +78,24 @@ def parse_source(text: str) -> tuple[str, float | None]:
             raise ConfigError(f"--hints {text}: {exc}") from exc
     raise ConfigError(f"--hints: expected one of {', '.join(SOURCES)} (seconds in (0, "
                       f"{MAX_RETAIN_S:g}] or 'inf' for the longest), got {text!r}")
+
+
+def parse_session(text: str, priority: int = HINT_PRIORITY) -> SessionHints:
+    """``session[:TOOL_S,STOP_S[,STOP_PRIORITY]]`` as its two retentions."""
+    _, _, arg = text.partition(":")
+    parts = arg.split(",") if arg else []
+    if len(parts) not in (0, 2, 3):
+        raise ConfigError(f"--hints {text}: expected session or session:TOOL_S,STOP_S"
+                          "[,STOP_PRIORITY], as in session:120,600,50")
+    try:
+        tool_s = check_duration(_seconds(parts[0])) if parts else SESSION_TOOL_S
+        stop_s = check_duration(_seconds(parts[1])) if parts else SESSION_STOP_S
+        stop_priority = check_priority(int(parts[2]) if len(parts) == 3 else
+                                       SESSION_STOP_PRIORITY)
+    except ValueError as exc:
+        raise ConfigError(f"--hints {text}: {exc}") from exc
+    assert tool_s is not None and stop_s is not None
+    return SessionHints((priority, tool_s), (stop_priority, stop_s))
 
 
 def _seconds(arg: str) -> float:
@@ -68,7 +114,10 @@ def apply_hints(requests: Sequence[Request], source: str,
     if kind == "trace":
         return list(requests)
     if kind == "none":
-        return [dataclasses.replace(r, retention=None, end=False) for r in requests]
+        return [dataclasses.replace(r, retention=None, end=False, finish=None)
+                for r in requests]
+    if kind == "session":
+        return session_hints(requests, parse_session(source, priority))
     assert seconds is not None
     if kind == "router":
         return [_routed(r, priority, seconds) for r in requests]
@@ -85,6 +134,27 @@ def apply_hints(requests: Sequence[Request], source: str,
 def _routed(r: Request, priority: int, ttl_s: float) -> Request:
     tool = r.stop_reason in TOOL_STOPS
     return dataclasses.replace(r, retention=(priority, ttl_s) if tool and not r.end else None)
+
+
+def session_hints(requests: Sequence[Request], hints: SessionHints) -> list[Request]:
+    """The router's hints from the stop reasons it saw (see the module docstring): each
+    request enters at what its session's previous answer earned and, answered, its prompt
+    is set to what its own answer earns."""
+    earned: dict[Hashable, tuple[int, float] | None] = {}
+    out = []
+    for r, session in zip(requests, sessions(requests), strict=True):
+        now = _earned(r.stop_reason, hints)
+        out.append(dataclasses.replace(r, retention=earned.get(session),
+                                       finish=None if r.end else now))
+        if now is not None:
+            earned[session] = now
+    return out
+
+
+def _earned(stop: str | None, hints: SessionHints) -> tuple[int, float] | None:
+    if stop is None:
+        return None  # the recording lost it: nothing is known, nothing changes
+    return hints.tool if stop in TOOL_STOPS else hints.stop
 
 
 def sessions(requests: Sequence[Request]) -> list[Hashable]:

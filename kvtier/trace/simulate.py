@@ -33,10 +33,12 @@ lands each step's I/O when it ends. Per request with blocks ``b0 .. bn-1``, in t
                ``set_priority``: its stored blocks enter every tier at it, and once it is
                answered its whole prompt is set to it again, tail first, the duration
                counted from its arrival (a trace's clock); an end releases the prompt
-               (priority 0). Deadlines are read on the trace's clock. A promoted block
-               keeps the retention of the tier it came from, a stored one the higher of
-               the request's and a lower tier's, a copy down its host block's; a
-               write-back victim goes down at the default (the store: at its own).
+               (priority 0). A retention set at finish (``finish``, the router's) moves
+               the whole prompt to it instead, replacing what it holds. Deadlines are
+               read on the trace's clock. A promoted block keeps the retention of the
+               tier it came from, a stored one the higher of the request's and a lower
+               tier's, a copy down its host block's; a write-back victim goes down at
+               the default (the store: at its own).
 
 Tail first because a prefix is useful only from its head: within a step the head ends most
 recent and the tail leaves first. The store's lower-tier I/O runs on its threads after the
@@ -208,7 +210,7 @@ class Simulator:
     def request(self, request: Request) -> list[str]:
         """Replay one request; returns the tier that served each block of its prefix."""
         self.now = request.ts_s
-        hinted = request.retention is not None or request.end
+        hinted = request.retention is not None or request.end or request.finish is not None
         if hinted:
             self.hinted = True
             self._hint(request)
@@ -234,13 +236,27 @@ class Simulator:
         """The connector's ``set_priority`` once the request is answered (tail first): its
         whole prompt released, or at its retention where that is stronger than what a block
         holds (``keep_stronger``: another request's longer retention stays)."""
+        if request.finish is not None and not request.end:
+            self._finished(request.blocks, *request.finish)
+            return
         wanted = (MIN_PRIORITY, None) if request.end else (self.priority, self.until)
+        stronger = _lasting(wanted)
         for tier in self.tiers:
             policy = tier.books.policy
             blocks = list(request.blocks) if request.end else [
                 b for b in request.blocks
-                if (held := policy.retention(b)) is not None and _lasting(held) < _lasting(wanted)]
+                if (held := policy.retention(b)) is not None and _lasting(held) < stronger]
             tier.books.set_priorities(blocks, *wanted)
+        self.priority, self.until = DEFAULT_PRIORITY, None
+
+    def _finished(self, blocks: tuple[BlockId, ...], priority: int,
+                  duration: float | None) -> None:
+        """The router's ``set_priority`` once the answer is known: the whole prompt moved
+        to its retention (tail first), replacing what its blocks hold."""
+        until = None if duration is None or priority == DEFAULT_PRIORITY else (
+            self.now + duration)
+        for tier in self.tiers:
+            tier.books.set_priorities(blocks, priority, until)
         self.priority, self.until = DEFAULT_PRIORITY, None
 
     def _servable(self, block: Hashable) -> str | None:
@@ -270,6 +286,13 @@ class Simulator:
                 record_use(self.recorders, admission_key(block))
         served = [HOST] * prefix
         host = self.host.books.policy
+        if not sources and not self.through:  # all in host, nothing to copy: just touch
+            touch = host.touch
+            for j in reversed(range(prefix)):  # tail first: the head ends most recent
+                touch(blocks[j])
+            self.host.hits += prefix
+            self._complete_io()
+            return served
         for j in reversed(range(prefix)):  # tail first: the head ends most recent
             block = blocks[j]
             source = sources.get(block)

@@ -150,3 +150,59 @@ def test_simulate_hints_from_the_command_line(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["block_hit_ratio"] == pytest.approx(1 / 7)
     with pytest.raises(ConfigError, match="--hint-priority"):
         run_trace("simulate", str(path), "--tier", "host=2048tok", "--hint-priority", "101")
+
+
+def test_the_session_source_sets_at_finish_what_the_stop_reason_earns() -> None:
+    """One session: a tool call, a lost stop reason, an end of turn, a tool call that ends
+    it. Each request enters at what the previous answer earned and is set at finish to what
+    its own earns; the lost one changes nothing; the end releases."""
+    s = "a"
+    reqs = [Request(0, BT, 0, (1,), BT, session=s, stop_reason="tool_use"),
+            Request(5, BT, 0, (1, 2), BT, session=s),
+            Request(9, BT, 0, (1, 2, 3), BT, session=s, stop_reason="end_turn"),
+            Request(300, BT, 0, (1, 2, 3, 4), BT, session=s, stop_reason="tool_calls",
+                    end=True)]
+    hinted = apply_hints(reqs, "session")
+    assert [(r.retention, r.finish, r.end) for r in hinted] == [
+        (None, (80, 120.0), False), ((80, 120.0), None, False),
+        ((80, 120.0), (50, 600.0), False), ((50, 600.0), None, True)]
+    tuned = apply_hints(reqs, "session:30,900,40", priority=90)
+    assert [r.finish for r in tuned] == [(90, 30.0), None, (40, 900.0), None]
+    assert [(r.retention, r.finish) for r in apply_hints(hinted, "none")] == [(None, None)] * 4
+
+
+@pytest.mark.parametrize("bad", ["session:120", "session:1,2,3,4", "session:0,600",
+                                 "session:120,soon", "session:120,600,101", "session:,"])
+def test_bad_session_hints_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="--hints session"):
+        parse_source(bad)
+
+
+def test_a_session_whose_turn_ended_yields_to_one_in_a_tool_loop_and_both_expire() -> None:
+    """Host of 5 blocks. Session a's answer ends in a tool call (80 for 120 s), b's ends its
+    turn (50 for 600 s): one-off traffic at the default evicts neither while they last. At
+    125 s a's retention has expired (back to 35) and the one-offs take it; b's (until
+    601 s) stays. Without hints LRU keeps neither."""
+    a = [Request(0.0, 2 * BT, 0, (1, 2), BT, session="a", stop_reason="tool_calls")]
+    b = [Request(1.0, 2 * BT, 0, (3, 4), BT, session="b", stop_reason="stop")]
+    one_off = [req([9], 10.0), req([8], 20.0), req([7], 125.0), req([6], 126.0),
+               req([5], 127.0)]
+    later = [Request(130.0, 2 * BT, 0, (3, 4), BT, session="b", stop_reason="stop"),
+             Request(131.0, 2 * BT, 0, (1, 2), BT, session="a", stop_reason="stop")]
+    served, _sim = replay(apply_hints(a + b + one_off + later, "session"), 5)
+    assert served[-2] == [HOST, HOST]  # b kept at 50 until 601 s
+    assert served[-1] == []  # a fell back to 35 at 120 s and the one-offs took it
+    plain, _sim = replay(apply_hints(a + b + one_off + later, "none"), 5)
+    assert plain[-2] == [] and plain[-1] == []
+
+
+def test_a_finish_replaces_a_stronger_retention_the_prompt_held() -> None:
+    """The router's finish moves the prompt down too: a tool loop's 80 becomes the end of
+    turn's 50, so another session's tool-call prefix (80) outlives it."""
+    reqs = [Request(0.0, BT, 0, (1,), BT, session="a", stop_reason="tool_calls"),
+            Request(1.0, BT, 0, (1,), BT, session="a", stop_reason="stop"),
+            Request(2.0, BT, 0, (2,), BT, session="b", stop_reason="tool_calls"),
+            Request(3.0, BT, 0, (3,), BT, session="c", stop_reason="tool_calls")]
+    _served, sim = replay(apply_hints(reqs, "session"), 2)
+    policy = sim.host.books.policy
+    assert 1 not in policy and policy.retention(2) == (80, 122.0)
