@@ -24,12 +24,17 @@ indexes by are not the bits that chose the shard; each new instance takes the ne
 windows, so maps holding the same keys (a tier's sizes and namespaces) grow at different
 inserts. Keys of a peer's notes are 32-byte hashes a peer picks freely, but ``hash`` of bytes
 is keyed per process (SipHash, random seed): a peer cannot pick keys that land in one shard.
-Small integer keys (the trace simulator's) land in shard 0: correct, just not spread.
+Small integer keys land in shard 0: correct, just not spread.
+
+A single-threaded replay (the trace simulator) has no lookup to stall and pays for the
+sharding on every access: it takes :class:`Table` and :class:`PlainOrder` instead, the same
+interfaces over one plain dict and one OrderedDict (:func:`table`).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, MutableMapping
 from typing import TypeVar, overload
 
@@ -198,3 +203,49 @@ class EpochOrder(Iterable[K]):
     def largest_shard(self) -> int:
         """Keys in the largest dict here: what one insert may rehash at most."""
         return max(self._where.largest_shard(), max(map(len, self._epochs.values())))
+
+
+class Table(dict[K, V]):
+    """A plain dict with :class:`ShardedDict`'s extra method (one table: it rehashes whole)."""
+
+    __slots__ = ()
+
+    def largest_shard(self) -> int:
+        return len(self)
+
+
+class PlainOrder(Iterable[K]):
+    """:class:`EpochOrder`'s interface over one OrderedDict."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        self._keys: OrderedDict[K, None] = OrderedDict()
+
+    def add(self, key: K) -> None:
+        if key in self._keys:
+            raise KeyError(f"key already in the order: {key!r}")
+        self._keys[key] = None
+
+    def move_to_end(self, key: K) -> None:
+        self._keys.move_to_end(key)
+
+    def remove(self, key: K) -> None:
+        del self._keys[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def largest_shard(self) -> int:
+        return len(self._keys)
+
+
+def table(sharded: bool) -> ShardedDict[K, V] | Table[K, V]:
+    """A new map: sharded for a server's books, plain for a single-threaded replay."""
+    return ShardedDict() if sharded else Table()

@@ -37,11 +37,12 @@ ADMISSION.register("min_priority", "kvtier.policies.admission:MinPriority")
 ADMISSION.register("min_prefix_tokens", "kvtier.policies.admission:MinPrefixTokens")
 
 
-def make_eviction(name: str, capacity: int,
-                  clock: Callable[[], float] | None = None) -> EvictionPolicy[Hashable]:
+def make_eviction(name: str, capacity: int, clock: Callable[[], float] | None = None, *,
+                  sharded: bool = True) -> EvictionPolicy[Hashable]:
     """A priority-aware eviction policy running algorithm ``name`` over ``capacity`` entries
-    (retention deadlines read against ``clock``, default ``time.monotonic``)."""
-    return EvictionPolicy(EVICTION[name], capacity, clock or time.monotonic)
+    (retention deadlines read against ``clock``, default ``time.monotonic``; ``sharded``: see
+    :class:`EvictionPolicy`)."""
+    return EvictionPolicy(EVICTION[name], capacity, clock or time.monotonic, sharded=sharded)
 
 
 def make_admission(rules: Sequence[tuple[str, int]]) -> list[AdmissionPolicy]:

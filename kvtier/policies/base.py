@@ -42,7 +42,7 @@ from kvtier.policies.retention import (
     DEFAULT_PRIORITY,
     check_priority,
 )
-from kvtier.shards import ShardedDict
+from kvtier.shards import ShardedDict, Table, table
 
 K = TypeVar("K", bound=Hashable)
 
@@ -94,6 +94,10 @@ class Algorithm(ABC, Generic[K]):
         at once. Default: all of them in one."""
         return len(self)
 
+    def unshard(self) -> None:
+        """Called on a new, empty algorithm of a single-threaded replay: keep plain tables
+        (:mod:`kvtier.shards`). Default: it has none of its own."""
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -105,19 +109,23 @@ class EvictionPolicy(Generic[K]):
     """Priority buckets of one algorithm; see the module docstring."""
 
     def __init__(self, make: Callable[[int], Algorithm[K]], capacity: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, sharded: bool = True) -> None:
+        """``sharded``: tables that never rehash many keys at once (a server's, whose lookups
+        must not stall); False for a single-threaded replay, which they only slow down."""
         self._make = make
+        self._sharded = sharded
         self.capacity = capacity
         self.clock = clock
         """What deadlines (``until``) are read against."""
         self._buckets: dict[int, Algorithm[K]] = {}
         self._ranked: list[int] = []
         """The priorities of ``_buckets``, lowest first (buckets are never dropped)."""
-        self._priority: ShardedDict[K, int] = ShardedDict()
+        self._priority: ShardedDict[K, int] | Table[K, int] = table(sharded)
         """Each tracked key's priority (sharded: growing never rehashes every key at once)."""
-        self._parent: ShardedDict[K, K] = ShardedDict()
+        self._parent: ShardedDict[K, K] | Table[K, K] = table(sharded)
         """The chain parent of each tracked key inserted with one."""
-        self._until: ShardedDict[K, tuple[float, int]] = ShardedDict()
+        self._until: ShardedDict[K, tuple[float, int]] | Table[K, tuple[float, int]] = \
+            table(sharded)
         """Each key whose priority falls back: its deadline and the heap entry's number (the
         entry's own ``mark`` object; sharded like ``_priority``)."""
         self._due: list[tuple[float, int, tuple[float, int], list[K]]] = []
@@ -389,6 +397,8 @@ class EvictionPolicy(Generic[K]):
         bucket = self._buckets.get(priority)
         if bucket is None:
             bucket = self._buckets[priority] = self._make(self.capacity)
+            if not self._sharded:
+                bucket.unshard()
             self._ranked = sorted(self._buckets)
         return bucket
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvtier.policies.base import Algorithm, K
-from kvtier.shards import EpochOrder
+from kvtier.shards import EpochOrder, PlainOrder
 
 
 class LRU(Algorithm[K]):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._order: EpochOrder[K] = EpochOrder()
+        self._order: EpochOrder[K] | PlainOrder[K] = EpochOrder()
+
+    def unshard(self) -> None:
+        assert not self._order
+        self._order = PlainOrder()
 
     def insert(self, key: K) -> None:
         self._order.add(key)

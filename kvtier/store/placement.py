@@ -41,7 +41,7 @@ from kvtier.policies import (
     make_admission,
     make_eviction,
 )
-from kvtier.shards import ShardedDict
+from kvtier.shards import ShardedDict, Table, table
 from kvtier.store.bookings import Bookings, Limits
 
 K = TypeVar("K", bound=Hashable)
@@ -57,12 +57,15 @@ class TierBooks:
                  admission: Sequence[tuple[str, int]] = (), *, write_back: bool = False,
                  fits_slot: int | None = None,
                  available: Callable[[], bool] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, sharded: bool = True) -> None:
+        """``sharded``: a server's books (:mod:`kvtier.shards`); False for the simulator's
+        single-threaded replay, with the same results."""
         self.name = name
         self.write_back = write_back
         self.capacity = capacity
         """Bytes (chunks, for the simulator) the tier may hold, copies under way included."""
-        self.policy: EvictionPolicy[Hashable] = make_eviction(eviction, entries, clock)
+        self.policy: EvictionPolicy[Hashable] = make_eviction(eviction, entries, clock,
+                                                              sharded=sharded)
         """The eviction order; retention deadlines are read against ``clock``."""
         self.admission: list[AdmissionPolicy] = make_admission(admission)
         self.counts_uses = any(type(r).record is not AdmissionPolicy.record
@@ -72,7 +75,7 @@ class TierBooks:
         """The largest chunk an arena slot takes (``None``: any); a larger one is a miss."""
         self.available = available or _always
         """Whether reads and writes may go to the tier now (the store's breaker)."""
-        self.sizes: ShardedDict[Hashable, int] = ShardedDict()
+        self.sizes: ShardedDict[Hashable, int] | Table[Hashable, int] = table(sharded)
         """The size of each held chunk (sharded: a flood of peers' records never rehashes
         the whole index in one go, :mod:`kvtier.shards`)."""
         self.used = 0

@@ -130,7 +130,7 @@ class _Tier:
         entries = spec.capacity if spec.capacity is not None else UNBOUNDED_POLICY_CAPACITY
         capacity = spec.capacity if spec.capacity is not None else UNBOUNDED_CHUNKS
         books = TierBooks(spec.name, capacity, spec.eviction, entries, spec.admission,
-                          write_back=spec.write == "back", clock=clock)
+                          write_back=spec.write == "back", clock=clock, sharded=False)
         return cls(spec, books)
 
     @property

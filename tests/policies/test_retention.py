@@ -4,6 +4,7 @@ lazily (where a victim is chosen or a priority read), in every algorithm."""
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Hashable
 from typing import Any
 
@@ -252,3 +253,37 @@ def test_any_duration_is_either_a_bounded_number_or_a_clear_error(value: Any) ->
         assert "duration_s must be" in str(exc)
         return
     assert checked is None if value is None else 0.0 < checked <= MAX_RETAIN_S
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "prefix"])
+def test_a_replays_plain_tables_choose_the_same_victims_as_a_servers_sharded_ones(
+        name: str) -> None:
+    """The simulator's policies keep plain tables (``sharded=False``); a server's are sharded.
+    The same operations, retentions and deadlines included, give the same evictions."""
+    from kvtier.policies import make_eviction
+
+    now = [0.0]
+    policies = [make_eviction(name, 64, lambda: now[0], sharded=s) for s in (True, False)]
+    rng = random.Random(7)
+    held: list[int] = []
+    for step in range(4000):
+        now[0] = step * 0.01
+        op = rng.random()
+        if op < 0.5 or not held:
+            key, priority = step, rng.choice([35, 35, 50, 80])
+            until = now[0] + rng.choice([0.5, 3.0]) if priority != 35 else None
+            parent = rng.choice(held) if held and rng.random() < 0.5 else None
+            for p in policies:
+                p.insert(key, priority, parent=parent, until=until)
+            held.append(key)
+        elif op < 0.8:
+            key = rng.choice(held)
+            for p in policies:
+                p.touch(key)
+        for p in policies:
+            p.expire()
+        outs = [p.evict(1) if len(held) > 60 else [] for p in policies]
+        assert outs[0] == outs[1], step
+        for key in outs[0] or ():
+            held.remove(key)
+    assert policies[0].order() == policies[1].order()
