@@ -103,10 +103,12 @@ class Sessions:
         self.config = config
         self._metrics = metrics
         self._clock = clock
-        self._table: OrderedDict[bytes, Session] = OrderedDict()
+        self._tables: dict[str, OrderedDict[bytes, Session]] = {}
+        """Each tenant's sessions, least recently seen first: one tenant's many sessions push
+        out its own, never another's (tenants are the configured ones, so few)."""
 
     def __len__(self) -> int:
-        return len(self._table)
+        return sum(map(len, self._tables.values()))
 
     # ------------------------------------------------------------------ requests
 
@@ -119,52 +121,56 @@ class Sessions:
             return None, False
         now = self._clock()
         self._expire(now)
+        table = self._tables.setdefault(tenant.name, OrderedDict())
         if end is not None and end.strip().lower() in _TRUE:
-            if self._table.pop(key, None) is not None:
+            if table.pop(key, None) is not None:
                 self._metrics.sessions_ended.labels("end").inc()
-            self._metrics.sessions_live.set(len(self._table))
+            self._metrics.sessions_live.set(len(self))
             return None, False
-        session = self._table.pop(key, None) or Session(now)
+        session = table.pop(key, None) or Session(now)
         session.last_seen = now
-        self._table[key] = session
-        while len(self._table) > self.config.max_sessions:
-            self._table.popitem(last=False)
+        table[key] = session
+        while len(table) > self.config.max_sessions:
+            table.popitem(last=False)
             self._metrics.sessions_ended.labels("evicted").inc()
-        self._metrics.sessions_live.set(len(self._table))
+        self._metrics.sessions_live.set(len(self))
         changed = self.config.retain and body is not None and self._inject(tenant, session,
                                                                              body)
         return key, changed
 
     def on_answer(self, key: bytes | None, finish_reason: str | None) -> None:
         """The answer of a session's request ended with ``finish_reason``."""
-        session = self._table.get(key) if key is not None else None
+        session = None
+        if key is not None:
+            for table in self._tables.values():
+                if (session := table.get(key)) is not None:
+                    break
         if session is not None and finish_reason is not None:
             session.last_finish = finish_reason
 
     def tick(self) -> None:
         """Forget idle sessions now (a /metrics scrape: the gauge is current)."""
         self._expire(self._clock())
-        self._metrics.sessions_live.set(len(self._table))
+        self._metrics.sessions_live.set(len(self))
 
     def _expire(self, now: float) -> None:
-        """Forget sessions idle for --session-idle-s (least recently seen first)."""
-        while self._table:
-            key, oldest = next(iter(self._table.items()))
-            if now - oldest.last_seen < self.config.idle_s:
-                return
-            del self._table[key]
-            self._metrics.sessions_ended.labels("idle").inc()
+        """Forget sessions idle for --session-idle-s (each tenant's least recently seen
+        first)."""
+        for table in self._tables.values():
+            while table:
+                key, oldest = next(iter(table.items()))
+                if now - oldest.last_seen < self.config.idle_s:
+                    break
+                del table[key]
+                self._metrics.sessions_ended.labels("idle").inc()
 
     def _inject(self, tenant: Tenant, session: Session, body: dict[str, Any]) -> bool:
         params = body.get("kv_transfer_params")
-        if params is None:
-            params = body["kv_transfer_params"] = {}
-        if not isinstance(params, dict):
+        if params is not None and not isinstance(params, dict):
             return False  # the backend answers what it makes of it
-        options = params.get("kvtier")
-        if options is None:
-            options = params["kvtier"] = {}
-        if not isinstance(options, dict) or any(k in options for k in CLIENT_KEYS):
+        options = params.get("kvtier") if params is not None else None
+        if options is not None and (not isinstance(options, dict)
+                                    or any(k in options for k in CLIENT_KEYS)):
             self._metrics.session_retentions.labels("client").inc()
             return False
         cfg = self.config
@@ -177,6 +183,9 @@ class Sessions:
         turn = {"priority": min(cfg.turn_priority, tenant.max_priority),
                 "duration_s": cfg.turn_s}
         retain = {"priority": priority, "duration_s": duration}
+        if options is None:  # made only now: a body left alone is left as it came
+            params = body.setdefault("kv_transfer_params", {})
+            options = params["kvtier"] = {}
         options["retention"] = retain
         options["finish"] = {"stop": retain, "length": turn}
         stamp_tenant(body, tenant)
@@ -216,9 +225,10 @@ class Sessions:
             return None
 
     def check_integrity(self) -> None:
-        assert len(self._table) <= self.config.max_sessions
-        seen = [s.last_seen for s in self._table.values()]
-        assert seen == sorted(seen), "the table is not in order of last request"
+        for name, table in self._tables.items():
+            assert len(table) <= self.config.max_sessions, name
+            seen = [s.last_seen for s in table.values()]
+            assert seen == sorted(seen), f"{name}'s table is not in order of last request"
 
 
 def check_session(value: str) -> str:

@@ -270,3 +270,36 @@ def test_session_options_from_the_command_line() -> None:
         RouterConfig.from_args(parser.parse_args(
             [*base, "--session-retention", "--session-tool-priority", "300"]))
     assert main([*base, "--session-retention", "--session-idle-s", "-1"]) == 2
+
+
+def test_one_tenants_many_sessions_never_push_out_anothers(tmp_path: Path) -> None:
+    """Each tenant has its own table of --max-sessions: a tenant cycling session ids pushes
+    out its own, and another tenant's session is still known after (its tool loop still
+    gets the tool call's retention)."""
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": {
+        "noisy": {"api_keys": ["noisy-key-0123456789"], "max_priority": 90},
+        "quiet": {"api_keys": ["quiet-key-0123456789"], "max_priority": 90}}}))
+    path.chmod(0o600)
+    tenants = load_tenants(str(path), None, None)
+
+    async def main() -> None:
+        config = SessionConfig(retain=True, max_sessions=8)
+        async with stubs(1, finish_reason="tool_calls") as (backend,), running_router(
+                router_config([backend], sessions=config, tenants=tenants)) as router, \
+                aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            quiet = {"Authorization": "Bearer quiet-key-0123456789", "X-Session-Id": "q"}
+            assert await ask(http, url, completion(), quiet) == 200
+            for i in range(40):
+                noisy = {"Authorization": "Bearer noisy-key-0123456789",
+                         "X-Session-Id": f"n{i}"}
+                assert await ask(http, url, completion(), noisy) == 200
+            assert router.sessions is not None and len(router.sessions) == 9
+            router.sessions.check_integrity()
+            assert sample(router, "kvtier_router_sessions_ended_total", reason="evicted") == 32
+            await ask(http, url, completion(), quiet)
+            retention = (sent(backend) or {}).get("retention")
+            assert retention == {"priority": 80, "duration_s": 120.0}, retention
+
+    asyncio.run(main())
