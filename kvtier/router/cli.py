@@ -88,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="a request with this header at 1/true ends its session "
                      "(default: %(default)s)")
     ses.add_argument("--max-sessions", type=int, default=10_000,
-                     help="sessions held at most; the least recently seen leave first "
+                     help="sessions held per tenant at most; its least recently seen leave first "
                      "(default: %(default)s)")
     ses.add_argument("--session-idle-s", type=float, default=900.0,
                      help="a session without a request this long is over "
