@@ -202,6 +202,13 @@ class EvictionPolicy(Generic[K]):
         self.expire()
         return self._priority.get(key)
 
+    def peek_priority(self, key: K) -> int:
+        """The key's priority as last applied (a deadline passed but not yet applied still
+        counts), the default if untracked. Changes nothing, so another thread may call it
+        without the owner's lock (a single dict read): what a sweep orders by."""
+        priority = self._priority.get(key)
+        return DEFAULT_PRIORITY if priority is None else priority
+
     def retention(self, key: K) -> tuple[int, float | None] | None:
         """The key's priority now and its deadline (``None``: none); ``None`` if untracked."""
         self.expire()

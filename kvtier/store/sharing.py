@@ -485,7 +485,7 @@ class Sharing:
         report = sweep(self.tier, self.state.configured,
                        keep=lambda key: self.reading(self.state, key),
                        deleted=self._swept, now=now, plausible=self.state.plausible,
-                       keyring=self.keyring)
+                       keyring=self.keyring, priority=self.state.books.policy.peek_priority)
         if report.deleted:
             log.info("tier %s: swept %d chunks (%d bytes) to keep namespace budgets",
                      self.state.name, len(report.deleted), report.deleted_bytes)

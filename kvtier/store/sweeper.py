@@ -7,7 +7,9 @@ heartbeat (``servers/<id>`` notes, written every ``HEARTBEAT_S``) is fresh. A sw
    the oldest chunks of any namespace over ``namespace_bytes`` until it is at ``LOW_WATER`` of
    it; recency is the backend's modification time, which every server's hits refresh
    (``touch``, at most once per ``touch_interval_s`` per chunk per server), so "oldest" means
-   least recently written or used by anyone;
+   least recently written or used by anyone; a chunk the sweeping server's books hold at a
+   retention priority (its own, or a peer's from the journal, capped) goes after every chunk
+   of a lower priority, as in a server's own eviction;
 2. does the same for the whole tier against ``capacity_bytes``;
 3. deletes journal notes older than ``journal_keep_s``, heartbeats of servers gone for an
    hour, and temporary objects of writers killed more than ``stale_temp_s`` ago.
@@ -67,16 +69,20 @@ def sweep(tier: SharedTier, capacity: int, *, dry_run: bool = False,
           keep: Callable[[ChunkKey], bool] = lambda _k: False,
           deleted: Callable[[list[StoredChunk]], None] = lambda _c: None,
           now: float | None = None, plausible: Callable[[int], bool] = lambda _s: True,
-          keyring: Keyring | None = None) -> SweepReport:
+          keyring: Keyring | None = None,
+          priority: Callable[[ChunkKey], int] | None = None) -> SweepReport:
     """One sweep (see the module docstring). ``keep`` protects chunks this server is
-    reading; ``deleted`` is told each batch that was removed (to journal it)."""
+    reading; ``deleted`` is told each batch that was removed (to journal it); ``priority``:
+    each chunk's retention priority in this server's books (None: all the default)."""
     now = time.time() if now is None else now
     opts = tier.sharing
 
     latest = now + opts.max_clock_skew_s
 
-    def order(chunk: StoredChunk) -> tuple[bool, float]:  # implausible first, then oldest
-        return plausible(chunk.size), min(chunk.mtime, latest)
+    def order(chunk: StoredChunk) -> tuple[bool, int, float]:
+        # implausible first, then the lowest priority, then the oldest
+        return (plausible(chunk.size), priority(chunk.key) if priority is not None else 0,
+                min(chunk.mtime, latest))
 
     report = SweepReport()
     survivors: list[StoredChunk] = []

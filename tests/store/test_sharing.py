@@ -235,6 +235,31 @@ def test_kvtier_gc_dry_run_lists_what_a_sweep_would_delete(tmp_path: Path,
     assert kept in keys(4)
 
 
+def test_the_sweeper_keeps_what_its_books_retain_longest(tmp_path: Path,
+                                                        make_store: MakeStore) -> None:
+    """Over a namespace's budget, chunks the sweeping server's books hold at a retention
+    priority go after every chunk of a lower one, whatever their age; within a priority,
+    the oldest first."""
+    folder = tmp_path / "volume"
+    a = server(make_store, tmp_path, folder, "a", namespace_bytes=2 * CHUNK_BYTES,
+               sweep_interval_s=3600, slots=8)
+    written = keys(4)
+    for key in written:  # oldest first, each strictly older than the next
+        store_chunks(a, [key])
+        settle(a)
+        time.sleep(0.02)
+    tier = a.tiers[0].tier
+    assert isinstance(tier, FsTier)
+    policy = a.tiers[0].books.policy
+    a.set_priority(written[:2], 80, 600.0)  # the two oldest
+    assert [policy.peek_priority(k) for k in written] == [80, 80, 35, 35]
+    report = sweep(tier, a.tiers[0].configured, dry_run=True, priority=policy.peek_priority)
+    # to LOW_WATER of 2 chunks: three go, the retained oldest last
+    assert [c.key for c in report.deleted] == [written[2], written[3], written[0]]
+    assert [c.key for c in sweep(tier, a.tiers[0].configured, dry_run=True).deleted] \
+        == written[:3], "without the books: the oldest first"
+
+
 @pytest.mark.parametrize("ops", [1])
 def test_journal_records_survive_garbage(ops: int) -> None:
     from kvtier.store import journal
