@@ -345,8 +345,12 @@ class TieredStore:
                 self.writes.through(entry)
             self.metrics.store_refusals.labels("present").inc()
             return None
-        below = [r for s in self.tiers if (r := s.policy.retention(key)) is not None]
-        priority, until = max([retention, *below], key=_lasting)
+        priority, until = retention
+        for state in self.tiers:  # a lower tier's pin, within the arena quota of its tenant
+            kept = state.policy.retention(key)
+            if kept is not None and _lasting(kept) > _lasting((priority, until)):
+                priority, until = max((priority, until), self.writes.carried(
+                    state.name, None, key, self.index.arena.slot_bytes, kept), key=_lasting)
         entry = self.writes.take(key, Where.RESERVED, priority, until)
         if entry is None:
             self.metrics.store_refusals.labels("arena_full").inc()

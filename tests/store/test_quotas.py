@@ -94,6 +94,32 @@ def test_quota_config_is_checked(tmp_path: Path) -> None:
             ServerConfig.from_dict({"retention_quotas": quotas})
 
 
+def test_a_restored_chunk_takes_a_lower_tiers_pin_only_within_the_arena_quota(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """Alice's 6 chunks are pinned on disk (within her disk quota) but she may pin only 2 in
+    the arena. They leave the arena; Carol stores them again at the default: the arena
+    copies keep the disk pin only within Alice's arena quota."""
+    quotas = {"tenants": {"alice": {"arena": 2 * SLOT_BYTES, "disk": 10 * CHUNK_BYTES}},
+              "others": {"arena": 0, "disk": 0}}
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    alice = keys(6, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    store.set_priority(alice, 100, tenant="alice")  # on disk all 6 fit her quota
+    assert pinned(store, alice, "disk") == 6
+    for n in range(12):
+        store_chunks(store, keys(2, f"plain{n}"), tenant="carol")
+        store.flush(5.0)
+    gone = [k for k in alice if k not in store.index.entries]
+    assert len(gone) >= 4
+    store_chunks(store, gone, tenant="carol")  # recomputed and stored again
+    store.flush(5.0)
+    assert pinned(store, alice) <= 2
+    assert store.quotas.used("alice", "arena") <= 2 * SLOT_BYTES
+    store.check_integrity()
+
+
 def test_a_pin_in_a_tier_without_a_limit_is_carried_as_its_tenants(
         tmp_path: Path, make_store: MakeStore) -> None:
     """Alice has no arena limit but 6 chunks on disk; ``others`` has 0 on disk. Her chunks
