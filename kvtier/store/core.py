@@ -235,8 +235,15 @@ class TieredStore:
             state.count_implausible(len(odd))
             for chunk in left:
                 self.writes.delete_later(state, chunk.key, chunk.namespace)
+            sizes: dict[Hashable, int] = {c.key: c.size for c in kept
+                                          if c.priority > DEFAULT_PRIORITY}
+            pinned = list(sizes)[:self.quotas.relisted(state.name, list(sizes),
+                                                       sizes.__getitem__, state.pinned)]
+            pins = set(pinned)  # a pin whose tenant is not known: see Quotas.relisted
             for chunk in kept:
-                state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
+                priority = chunk.priority if chunk.key in pins else min(chunk.priority,
+                                                                        DEFAULT_PRIORITY)
+                state.index(chunk.key, chunk.size, priority, chunk.namespace)
         log.info("tier %s: indexed %d chunks, %d bytes", state.name, len(state.sizes),
                  state.used)
         return len(kept)

@@ -14,7 +14,10 @@ So a tenant cannot pin more than its quota, however much it asks, and pinned chu
 another tenant within its own quota never give way to its surplus: the surplus sits at the
 default priority, below them. A chunk copied to a lower tier or promoted to the arena keeps
 its priority only within the quota there of the tenant that pinned it (a chunk no tenant
-pinned here — a peer's, or listed at a start — counts for ``others``).
+pinned here, a peer's, counts for ``others``); so does a chunk stored again into the arena
+while a lower tier holds it pinned. A pin listed at a start has no known tenant: in a tier
+where a quota applies it is kept only within ``others``' quota there (none if ``others`` has
+no limit there), so a restart never grants a tenant its quota again.
 
 The tenant is a name the request gives (``kv_transfer_params.kvtier.tenant``, set by the
 router); the table holds the configured tenants plus ``others``, so a client naming tenants
@@ -103,6 +106,19 @@ class Quotas:
             return True
         owner = self._owner.get((source, key), OTHERS)
         return self.admit(owner, tier, [key], lambda _: size, held) == 1
+
+    def relisted(self, tier: str, keys: Sequence[Hashable], size_of: SizeOf,
+                 held: Held) -> int:
+        """How many of ``keys``, listed in ``tier`` at a start with a pin whose tenant is
+        not known any more, keep it: all where no quota applies in the tier, else those
+        within ``others``' quota there (none if ``others`` has no limit there)."""
+        if not any(tier in limits for limits in self._limits.values()):
+            return len(keys)
+        if tier not in self._limits[OTHERS]:
+            if keys:
+                self._metrics.quota_clipped.labels(tier).inc(len(keys))
+            return 0
+        return self.admit(OTHERS, tier, keys, size_of, held)
 
     def _forget_unheld(self, slot: tuple[str, str], held: Held, wanted: int,
                        budget: int) -> None:

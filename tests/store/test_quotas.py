@@ -94,6 +94,50 @@ def test_quota_config_is_checked(tmp_path: Path) -> None:
             ServerConfig.from_dict({"retention_quotas": quotas})
 
 
+@pytest.mark.parametrize("quotas", [
+    {"tenants": {"alice": {"disk": 2 * CHUNK_BYTES}}, "others": {"arena": 0, "disk": 0}},
+    {"tenants": {"alice": {"disk": 2 * CHUNK_BYTES}}, "others": {"arena": 0}},
+    {"tenants": {"alice": {"arena": 12 * SLOT_BYTES, "disk": 2 * CHUNK_BYTES}},
+     "others": {"arena": 0, "disk": 0}},
+], ids=["alice-disk-only", "others-disk-unlimited", "alice-both"])
+def test_a_restart_gives_no_tenant_a_new_quota(tmp_path: Path, make_store: MakeStore,
+                                               quotas: dict[str, object]) -> None:
+    """Alice pins 8 chunks with room for 2 on disk; the store restarts and lists the disk.
+    The 6 clipped chunks (whose headers may say 100) do not come back pinned, whoever's
+    quota would have to count them, and restarting again grants nothing more."""
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    alice = keys(8, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    assert pinned(store, alice, "disk") <= 2
+    store.close(drain_s=5)
+    for _ in range(2):
+        again = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                           retention_quotas=quotas)
+        assert again.rebuild() == len(alice)
+        assert pinned(again, alice, "disk") <= 2
+        again.check_integrity()
+        again.close(drain_s=5)
+
+
+def test_a_restart_keeps_the_pins_listed_in_a_tier_without_quotas(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """Quotas only in the arena: the disk's pins come back as listed after a restart."""
+    quotas = {"tenants": {"alice": {"arena": 12 * SLOT_BYTES}}, "others": {"arena": 0}}
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    alice = keys(6, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    store.close(drain_s=5)
+    again = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    assert again.rebuild() == len(alice)
+    assert pinned(again, alice, "disk") == len(alice)
+    again.check_integrity()
+
+
 def test_a_restored_chunk_takes_a_lower_tiers_pin_only_within_the_arena_quota(
         tmp_path: Path, make_store: MakeStore) -> None:
     """Alice's 6 chunks are pinned on disk (within her disk quota) but she may pin only 2 in
