@@ -235,8 +235,15 @@ class TieredStore:
             state.count_implausible(len(odd))
             for chunk in left:
                 self.writes.delete_later(state, chunk.key, chunk.namespace)
+            sizes: dict[Hashable, int] = {c.key: c.size for c in kept
+                                          if c.priority > DEFAULT_PRIORITY}
+            pinned = list(sizes)[:self.quotas.relisted(state.name, list(sizes),
+                                                       sizes.__getitem__, state.pinned)]
+            pins = set(pinned)  # a pin whose tenant is not known: see Quotas.relisted
             for chunk in kept:
-                state.index(chunk.key, chunk.size, chunk.priority, chunk.namespace)
+                priority = chunk.priority if chunk.key in pins else min(chunk.priority,
+                                                                        DEFAULT_PRIORITY)
+                state.index(chunk.key, chunk.size, priority, chunk.namespace)
         log.info("tier %s: indexed %d chunks, %d bytes", state.name, len(state.sizes),
                  state.used)
         return len(kept)
@@ -345,8 +352,12 @@ class TieredStore:
                 self.writes.through(entry)
             self.metrics.store_refusals.labels("present").inc()
             return None
-        below = [r for s in self.tiers if (r := s.policy.retention(key)) is not None]
-        priority, until = max([retention, *below], key=_lasting)
+        priority, until = retention
+        for state in self.tiers:  # a lower tier's pin, within the arena quota of its tenant
+            kept = state.policy.retention(key)
+            if kept is not None and _lasting(kept) > _lasting((priority, until)):
+                priority, until = max((priority, until), self.writes.carried(
+                    state.name, None, key, self.index.arena.slot_bytes, kept), key=_lasting)
         entry = self.writes.take(key, Where.RESERVED, priority, until)
         if entry is None:
             self.metrics.store_refusals.labels("arena_full").inc()

@@ -5,7 +5,8 @@
     set_priority / reserve / write / promotion of keys at priority > 35 for tenant T in tier X
         └─► Quotas.admit(T, X, keys): the head of the keys that fits T's quota in X
               (what T pinned there before and no longer holds above 35 — evicted,
-               released, past its deadline — is forgotten first, only when needed)
+               released, past its deadline — is forgotten first, oldest first, a
+               bounded number looked at per call)
         └─► the rest keep the default priority; counted in
             kvtier_retention_quota_clipped_chunks_total{tier}
 
@@ -13,7 +14,10 @@ So a tenant cannot pin more than its quota, however much it asks, and pinned chu
 another tenant within its own quota never give way to its surplus: the surplus sits at the
 default priority, below them. A chunk copied to a lower tier or promoted to the arena keeps
 its priority only within the quota there of the tenant that pinned it (a chunk no tenant
-pinned here — a peer's, or listed at a start — counts for ``others``).
+pinned here, a peer's, counts for ``others``); so does a chunk stored again into the arena
+while a lower tier holds it pinned. A pin listed at a start has no known tenant: in a tier
+where a quota applies it is kept only within ``others``' quota there (none if ``others`` has
+no limit there), so a restart never grants a tenant its quota again.
 
 The tenant is a name the request gives (``kv_transfer_params.kvtier.tenant``, set by the
 router); the table holds the configured tenants plus ``others``, so a client naming tenants
@@ -32,6 +36,10 @@ from kvtier.metrics import StoreMetrics
 ARENA_TIER = "arena"
 DEFAULT_TENANT = "default"
 OTHERS = "others"
+SCAN_MAX = 1024
+"""Pins an admit over the limit looks at, at most, for ones no longer held (under 1 ms)."""
+SWEEP = 64
+"""Pins any admit looks at besides twice its keys: the tables stay near what is held."""
 Held = Callable[[Hashable], bool]
 """Whether the key is held above the default priority in the tier now."""
 SizeOf = Callable[[Hashable], int]
@@ -62,31 +70,31 @@ class Quotas:
 
     def admit(self, tenant: str | None, tier: str, keys: Sequence[Hashable], size_of: SizeOf,
               held: Held) -> int:
-        """How many of ``keys`` (head first) ``tenant`` may pin in ``tier``; records them."""
+        """How many of ``keys`` (head first) ``tenant`` may pin in ``tier``; records them
+        (in a tier where the tenant has no limit too: a copy of them is carried as its)."""
         if not self._limits:
             return len(keys)
         bucket = self.bucket(tenant)
         limit = self._limits[bucket].get(tier)
-        if limit is None:
-            return len(keys)
         sizes = [size_of(k) for k in keys]
         slot = (bucket, tier)
         pins = self._pins.setdefault(slot, OrderedDict())
-        if self._used.get(slot, 0) + sum(s for k, s in zip(keys, sizes, strict=True)
-                                         if k not in pins) > limit:
-            self._forget_unheld(slot, held)
+        over = 0 if limit is None else self._used.get(slot, 0) - limit + sum(
+            s for k, s in zip(keys, sizes, strict=True) if k not in pins)
+        self._forget_unheld(slot, held, over, SCAN_MAX if over > 0 else 2 * len(keys) + SWEEP)
         used = self._used.get(slot, 0)
         admitted = 0
         for key, size in zip(keys, sizes, strict=True):
             if key not in pins:
-                if used + size > limit:
+                if limit is not None and used + size > limit:
                     break
                 pins[key] = size
                 used += size
             self._owner[(tier, key)] = bucket
             admitted += 1
         self._used[slot] = used
-        self._metrics.quota_used.labels(bucket, tier).set(used)
+        if limit is not None:
+            self._metrics.quota_used.labels(bucket, tier).set(used)
         if admitted < len(keys):
             self._metrics.quota_clipped.labels(tier).inc(len(keys) - admitted)
         return admitted
@@ -99,14 +107,38 @@ class Quotas:
         owner = self._owner.get((source, key), OTHERS)
         return self.admit(owner, tier, [key], lambda _: size, held) == 1
 
-    def _forget_unheld(self, slot: tuple[str, str], held: Held) -> None:
+    def relisted(self, tier: str, keys: Sequence[Hashable], size_of: SizeOf,
+                 held: Held) -> int:
+        """How many of ``keys``, listed in ``tier`` at a start with a pin whose tenant is
+        not known any more, keep it: all where no quota applies in the tier, else those
+        within ``others``' quota there (none if ``others`` has no limit there)."""
+        if not any(tier in limits for limits in self._limits.values()):
+            return len(keys)
+        if tier not in self._limits[OTHERS]:
+            if keys:
+                self._metrics.quota_clipped.labels(tier).inc(len(keys))
+            return 0
+        return self.admit(OTHERS, tier, keys, size_of, held)
+
+    def _forget_unheld(self, slot: tuple[str, str], held: Held, wanted: int,
+                       budget: int) -> None:
+        """Forget the pins of ``slot`` no longer held, oldest first, looking at ``budget``
+        of them at most (a held one goes to the back), or until ``wanted`` bytes are free
+        (``wanted`` <= 0: look at the whole budget): the work per call stays bounded."""
         pins = self._pins[slot]
-        gone = [k for k in pins if not held(k)]
-        for key in gone:
-            self._used[slot] -= pins.pop(key)
+        freed = 0
+        for _ in range(min(budget, len(pins))):
+            key = next(iter(pins))
+            if held(key):
+                pins.move_to_end(key)
+                continue
+            size = pins.pop(key)
+            freed += size
+            self._used[slot] -= size
             if self._owner.get((slot[1], key)) == slot[0]:
                 del self._owner[(slot[1], key)]
-        self._metrics.quota_used.labels(*slot).set(self._used.get(slot, 0))
+            if 0 < wanted <= freed:
+                break
 
     def used(self, tenant: str | None, tier: str) -> int:
         """Bytes counted against ``tenant``'s quota in ``tier`` (some may have left since)."""

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 from store_helpers import CHUNK_BYTES, SLOT_BYTES, MakeStore, keys, sample, store_chunks
 
-from kvtier.config import ServerConfig
+from kvtier.config import QuotaConfig, ServerConfig
 from kvtier.errors import ConfigError
+from kvtier.metrics import StoreMetrics
 from kvtier.policies import DEFAULT_PRIORITY
 from kvtier.store import TieredStore
+from kvtier.store.quotas import SCAN_MAX, Quotas
 
 QUOTAS = {"tenants": {"alice": {"arena": 2 * SLOT_BYTES, "disk": 2 * CHUNK_BYTES},
                       "bob": {"arena": 6 * SLOT_BYTES, "disk": 6 * CHUNK_BYTES}},
@@ -90,3 +92,123 @@ def test_quota_config_is_checked(tmp_path: Path) -> None:
                          ({"tenant": {}}, "tenant")):
         with pytest.raises(ConfigError, match=word):
             ServerConfig.from_dict({"retention_quotas": quotas})
+
+
+@pytest.mark.parametrize("quotas", [
+    {"tenants": {"alice": {"disk": 2 * CHUNK_BYTES}}, "others": {"arena": 0, "disk": 0}},
+    {"tenants": {"alice": {"disk": 2 * CHUNK_BYTES}}, "others": {"arena": 0}},
+    {"tenants": {"alice": {"arena": 12 * SLOT_BYTES, "disk": 2 * CHUNK_BYTES}},
+     "others": {"arena": 0, "disk": 0}},
+], ids=["alice-disk-only", "others-disk-unlimited", "alice-both"])
+def test_a_restart_gives_no_tenant_a_new_quota(tmp_path: Path, make_store: MakeStore,
+                                               quotas: dict[str, object]) -> None:
+    """Alice pins 8 chunks with room for 2 on disk; the store restarts and lists the disk.
+    The 6 clipped chunks (whose headers may say 100) do not come back pinned, whoever's
+    quota would have to count them, and restarting again grants nothing more."""
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    alice = keys(8, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    assert pinned(store, alice, "disk") <= 2
+    store.close(drain_s=5)
+    for _ in range(2):
+        again = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                           retention_quotas=quotas)
+        assert again.rebuild() == len(alice)
+        assert pinned(again, alice, "disk") <= 2
+        again.check_integrity()
+        again.close(drain_s=5)
+
+
+def test_a_restart_keeps_the_pins_listed_in_a_tier_without_quotas(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """Quotas only in the arena: the disk's pins come back as listed after a restart."""
+    quotas = {"tenants": {"alice": {"arena": 12 * SLOT_BYTES}}, "others": {"arena": 0}}
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    alice = keys(6, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    store.close(drain_s=5)
+    again = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    assert again.rebuild() == len(alice)
+    assert pinned(again, alice, "disk") == len(alice)
+    again.check_integrity()
+
+
+def test_a_restored_chunk_takes_a_lower_tiers_pin_only_within_the_arena_quota(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """Alice's 6 chunks are pinned on disk (within her disk quota) but she may pin only 2 in
+    the arena. They leave the arena; Carol stores them again at the default: the arena
+    copies keep the disk pin only within Alice's arena quota."""
+    quotas = {"tenants": {"alice": {"arena": 2 * SLOT_BYTES, "disk": 10 * CHUNK_BYTES}},
+              "others": {"arena": 0, "disk": 0}}
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    alice = keys(6, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    store.set_priority(alice, 100, tenant="alice")  # on disk all 6 fit her quota
+    assert pinned(store, alice, "disk") == 6
+    for n in range(12):
+        store_chunks(store, keys(2, f"plain{n}"), tenant="carol")
+        store.flush(5.0)
+    gone = [k for k in alice if k not in store.index.entries]
+    assert len(gone) >= 4
+    store_chunks(store, gone, tenant="carol")  # recomputed and stored again
+    store.flush(5.0)
+    assert pinned(store, alice) <= 2
+    assert store.quotas.used("alice", "arena") <= 2 * SLOT_BYTES
+    store.check_integrity()
+
+
+def test_a_pin_in_a_tier_without_a_limit_is_carried_as_its_tenants(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """Alice has no arena limit but 6 chunks on disk; ``others`` has 0 on disk. Her chunks
+    written through to disk keep their pin there, counted as hers, not as ``others``'."""
+    quotas = {"tenants": {"alice": {"disk": 6 * CHUNK_BYTES}}, "others": {"disk": 0}}
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas)
+    alice = keys(4, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    assert pinned(store, alice) == 4 and pinned(store, alice, "disk") == 4
+    assert store.quotas.used("alice", "disk") == 4 * CHUNK_BYTES
+    assert store.quotas.used("others", "disk") == 0
+    store.check_integrity()
+
+
+def test_an_admit_over_the_limit_looks_at_a_bounded_number_of_pins() -> None:
+    """Alice holds 40 000 pins, her whole quota on disk; each admit over the limit asks
+    whether at most SCAN_MAX of them are still held, however many she has. When all are held
+    her new pin is clipped; once they leave, each admit finds room at once. In the arena,
+    where she has no limit, pins that left are forgotten as she goes: the table stays small."""
+    many = 40_000
+    quotas = Quotas(QuotaConfig(tenants={"alice": {"disk": many}}), StoreMetrics())
+    asked: list[object] = []
+    gone: set[object] = set()
+
+    def held(key: object) -> bool:
+        asked.append(key)
+        return key not in gone
+
+    pins = [b"%d" % i for i in range(many)]
+    assert quotas.admit("alice", "disk", pins, lambda _: 1, held) == many
+    for n in range(5):
+        asked.clear()
+        assert quotas.admit("alice", "disk", [b"new%d" % n], lambda _: 1, held) == 0
+        assert 0 < len(asked) <= SCAN_MAX
+    gone.update(pins)
+    for n in range(100):
+        asked.clear()
+        assert quotas.admit("alice", "disk", [b"x%d" % n], lambda _: 1, held) == 1
+        assert len(asked) == 1  # the oldest pin had left: room enough
+    assert quotas.used("alice", "disk") == many
+    for n in range(10_000):
+        key = b"arena%d" % n
+        assert quotas.admit("alice", "arena", [key], lambda _: 1, held) == 1
+        gone.add(key)
+    assert quotas.used("alice", "arena") <= 100
+    quotas.check_integrity()
