@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -79,15 +79,19 @@ def chain_on_disk(tmp_path: Path, make_store: MakeStore, io_timeout_s: float = 3
     return store, chain
 
 
-def together(store: TieredStore, chain: list[ChunkKey], timeout_s: float = 10.0
+def together(store: TieredStore, chain: list[ChunkKey], timeout_s: float = 10.0,
+             all_leased: Callable[[], None] | None = None,
              ) -> list[tuple[list[ItemState], list[bytes | None], float]]:
-    """N owners lease ``chain`` at once, wait, read, release: (states, payloads, waited)."""
+    """N owners lease ``chain`` at once, wait, read, release: (states, payloads, waited).
+    ``all_leased`` is called once every owner has its lease (however slow the machine)."""
     start = threading.Barrier(N)
+    leased = threading.Semaphore(0)
     out: list[tuple[list[ItemState], list[bytes | None], float]] = [([], [], 0.0)] * N
 
     def one(owner: int) -> None:
         start.wait(10)
         record = store.lease(owner, chain)
+        leased.release()
         began = time.monotonic()
         store.wait(record.lease_id, timeout_s)
         waited = time.monotonic() - began
@@ -100,6 +104,10 @@ def together(store: TieredStore, chain: list[ChunkKey], timeout_s: float = 10.0
     threads = [threading.Thread(target=one, args=(i + 1,)) for i in range(N)]
     for t in threads:
         t.start()
+    if all_leased is not None:
+        for _ in range(N):
+            assert leased.acquire(timeout=timeout_s), "an owner never got its lease"
+        all_leased()
     return_after = time.monotonic() + 2 * timeout_s
     for t in threads:
         t.join(max(0.0, return_after - time.monotonic()))
@@ -111,8 +119,7 @@ def test_n_requests_for_one_chain_read_each_chunk_once_and_get_the_same_bytes(
         tmp_path: Path, make_store: MakeStore) -> None:
     store, chain = chain_on_disk(tmp_path, make_store)
     with counted(store) as tier:
-        threading.Timer(0.3, tier.gate.set).start()  # every request has asked by then
-        results = together(store, chain)
+        results = together(store, chain, all_leased=tier.gate.set)
     assert tier.reads == Counter({k: 1 for k in chain}), "one read per chunk"
     want = expected(chain)
     for states, got, _ in results:
@@ -132,8 +139,7 @@ def test_a_failed_read_fails_every_waiter_once_and_they_recompute(
     broken = 2
     (next((tmp_path / "disk" / "chunks").rglob(f"{chain[broken].hex()}.kvc"))).unlink()
     with counted(store) as tier:
-        threading.Timer(0.3, tier.gate.set).start()
-        results = together(store, chain)
+        results = together(store, chain, all_leased=tier.gate.set)
     assert tier.reads[chain[broken]] == 1, "the missing chunk was asked for once"
     for states, got, _ in results:
         assert states[broken] is ItemState.FAILED
