@@ -27,14 +27,13 @@ is keyed per process (SipHash, random seed): a peer cannot pick keys that land i
 Small integer keys land in shard 0: correct, just not spread.
 
 A single-threaded replay (the trace simulator) has no lookup to stall and pays for the
-sharding on every access: it takes :class:`Table` and :class:`PlainOrder` instead, the same
-interfaces over one plain dict and one OrderedDict (:func:`table`).
+sharding on every access: it takes :class:`Table` (:func:`table`), one plain dict, and its LRU
+one OrderedDict (:class:`~kvtier.policies.lru.PlainLRU`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, MutableMapping
 from typing import TypeVar, overload
 
@@ -212,38 +211,6 @@ class Table(dict[K, V]):
 
     def largest_shard(self) -> int:
         return len(self)
-
-
-class PlainOrder(Iterable[K]):
-    """:class:`EpochOrder`'s interface over one OrderedDict."""
-
-    __slots__ = ("_keys",)
-
-    def __init__(self) -> None:
-        self._keys: OrderedDict[K, None] = OrderedDict()
-
-    def add(self, key: K) -> None:
-        if key in self._keys:
-            raise KeyError(f"key already in the order: {key!r}")
-        self._keys[key] = None
-
-    def move_to_end(self, key: K) -> None:
-        self._keys.move_to_end(key)
-
-    def remove(self, key: K) -> None:
-        del self._keys[key]
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def largest_shard(self) -> int:
-        return len(self._keys)
 
 
 def table(sharded: bool) -> ShardedDict[K, V] | Table[K, V]:

@@ -94,10 +94,6 @@ class Algorithm(ABC, Generic[K]):
         at once. Default: all of them in one."""
         return len(self)
 
-    def unshard(self) -> None:
-        """Called on a new, empty algorithm of a single-threaded replay: keep plain tables
-        (:mod:`kvtier.shards`). Default: it has none of its own."""
-
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -112,8 +108,8 @@ class EvictionPolicy(Generic[K]):
                  clock: Callable[[], float] = time.monotonic, *, sharded: bool = True) -> None:
         """``sharded``: tables that never rehash many keys at once (a server's, whose lookups
         must not stall); False for a single-threaded replay, which they only slow down."""
-        self._make = make
-        self._sharded = sharded
+        # an algorithm may name a plain twin for replays (LRU: PlainLRU)
+        self._make = make if sharded else getattr(make, "plain", make)
         self.capacity = capacity
         self.clock = clock
         """What deadlines (``until``) are read against."""
@@ -404,8 +400,6 @@ class EvictionPolicy(Generic[K]):
         bucket = self._buckets.get(priority)
         if bucket is None:
             bucket = self._buckets[priority] = self._make(self.capacity)
-            if not self._sharded:
-                bucket.unshard()
             self._ranked = sorted(self._buckets)
         return bucket
 
