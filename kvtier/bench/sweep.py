@@ -337,8 +337,13 @@ def run(args: argparse.Namespace) -> int:
     sweep = Sweep(args, model, out, doc)
     _say_progress(out, doc, schedule(names, args.repeat), users, histories, recovered,
                   args.retry_failed)
-    for repeat, name in schedule(names, args.repeat):
-        sweep.run_config(name, repeat, users, histories)
+    try:
+        for repeat, name in schedule(names, args.repeat):
+            sweep.run_config(name, repeat, users, histories)
+    except KeyboardInterrupt:  # Ctrl-C or SIGINT: the stack is stopped on the way out
+        print(f"kvtier bench sweep: stopped; every finished run is kept in {out / 'runs'}: "
+              "run the same command again to go on", file=sys.stderr)
+        return 130
     finish(sweep, histories, pairs)
     return 0
 

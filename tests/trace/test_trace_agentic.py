@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trace_helpers import run_trace
 
 from kvtier.trace.agentic import load_agentic, read_conversation
 from kvtier.trace.formats import TraceFormatError, load_trace
-from tests.trace.trace_helpers import run_trace
 
 
 def _turn(t: float, ids: list[int], stop: str = "tool_use", extra: int = 10) -> dict[str, Any]:
