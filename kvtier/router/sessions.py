@@ -21,8 +21,8 @@ session on a shared prefix is lowered, and it expires lazily in the store: an id
 The client's own ``retention``, ``priority``, ``release`` or ``finish`` wins (within its
 tenant's cap): the router then adds nothing. The router's priorities are capped by the
 tenant's ``max_priority`` too; a cap at or below the default (35) leaves nothing to set.
-The table holds at most --max-sessions sessions (the least recently seen leave first),
-keyed by a digest, never the client's string; a session header must be 1-128 visible ASCII
+Each tenant's table holds at most --max-sessions sessions (its least recently seen leave
+first), keyed by a digest, never the client's string; a session header must be 1-128 visible ASCII
 characters.
 """
 
@@ -96,7 +96,7 @@ class Session:
 
 
 class Sessions:
-    """The live sessions (an LRU table) and what their requests get."""
+    """The live sessions (an LRU table per tenant) and what their requests get."""
 
     def __init__(self, config: SessionConfig, metrics: RouterMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
