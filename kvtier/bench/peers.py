@@ -111,6 +111,8 @@ def _ensure_venv(venv: Path, wanted: dict[str, object], commands: list[list[str]
         pass
     log.warning("installing %s into %s (once)", what, venv)
     venv.parent.mkdir(parents=True, exist_ok=True)
+    if log_file:  # the stack's folder may not exist yet (the first run of a sweep)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
     try:
         for cmd in commands:
