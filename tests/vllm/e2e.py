@@ -16,10 +16,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kvtier.client import KvtierClient
@@ -196,3 +198,23 @@ def tier_tokens(acct: dict[str, Any], tier: str) -> int:
 
 def adds_up(acct: dict[str, Any], prompt: list[int]) -> bool:
     return acct.get("prompt_tokens") == len(prompt) == sum(acct.get("tokens", {}).values())
+
+
+def engine_fixtures(name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A module's ``server`` (a node server in a folder named ``name``) and ``llm`` (a vLLM
+    engine connected to it) fixtures, each started once per module:
+    ``server, llm = e2e.engine_fixtures("kvtier-...")``."""
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+        proc = ServerProcess(tmp_path_factory.mktemp(name)).start()
+        yield proc
+        proc.stop()
+
+    @pytest.fixture(scope="module")
+    def llm(demo_model: str, server: ServerProcess) -> Iterator[Any]:
+        engine = make_llm(demo_model, server.socket_path)
+        yield engine
+        close_llm(engine)
+
+    return server, llm

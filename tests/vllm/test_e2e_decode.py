@@ -5,12 +5,11 @@ prompt starts with that answer, loads them; its tokens equal those computed with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import e2e
 import pytest
-from e2e import ServerProcess, tier_tokens
+from e2e import tier_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -18,18 +17,7 @@ PROMPT = e2e.prompts([1000], seed=22)[0]  # chunks 0-2 prompt, 3 straddles, 4 ge
 ANSWER = 290
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("kvtier-decode")).start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def llm(demo_model: str, server: ServerProcess) -> Iterator[Any]:
-    engine = e2e.make_llm(demo_model, server.socket_path)
-    yield engine
-    e2e.close_llm(engine)
+server, llm = e2e.engine_fixtures("kvtier-decode")
 
 
 def test_the_answer_is_stored_at_the_decode_priority_and_the_next_turn_loads_it(

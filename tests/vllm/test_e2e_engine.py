@@ -9,7 +9,6 @@ come back correct. Every round's tokens equal those of an engine without kvtier.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +22,7 @@ from kvtier.keys import chunk_keys
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("kvtier-e2e")).start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def llm(demo_model: str, server: ServerProcess) -> Iterator[Any]:
-    engine = e2e.make_llm(demo_model, server.socket_path)
-    yield engine
-    e2e.close_llm(engine)
+server, llm = e2e.engine_fixtures("kvtier-e2e")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ and shared by the other three; every answer equals the one computed without any 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import e2e
@@ -19,18 +18,7 @@ N = 4
 CHUNKS = len(FORK) // 256
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("kvtier-forks")).start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def llm(demo_model: str, server: ServerProcess) -> Iterator[Any]:
-    engine = e2e.make_llm(demo_model, server.socket_path)
-    yield engine
-    e2e.close_llm(engine)
+server, llm = e2e.engine_fixtures("kvtier-forks")
 
 
 def test_four_forks_of_a_prefix_on_disk_load_it_once(llm: Any, server: ServerProcess) -> None:
