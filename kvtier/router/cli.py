@@ -13,9 +13,12 @@ from collections.abc import Callable
 from kvtier import logs
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.router.config import DEFAULT_MAX_BODY_BYTES, NODE_TOKEN_ENV, CostModel, RouterConfig
+from kvtier.router.sessions import SessionConfig
 
 log = logging.getLogger("kvtier.router")
 STRATEGY_NAMES = ("roundrobin", "session", "prefix", "cache")
+_SESSION = SessionConfig()
+"""The session options' defaults (the flags' defaults are its fields)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,25 +87,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     ses.add_argument("--session-retention", action="store_true",
                      help="keep live sessions' prefixes retained (a session: "
                      "--session-header, else the body's 'user', else its first messages)")
-    ses.add_argument("--session-end-header", default="X-Session-End",
+    ses.add_argument("--session-end-header", default=_SESSION.end_header,
                      help="a request with this header at 1/true ends its session "
                      "(default: %(default)s)")
-    ses.add_argument("--max-sessions", type=int, default=10_000,
+    ses.add_argument("--max-sessions", type=int, default=_SESSION.max_sessions,
                      help="sessions held per tenant at most; its least recently seen leave first "
                      "(default: %(default)s)")
-    ses.add_argument("--session-idle-s", type=float, default=900.0,
+    ses.add_argument("--session-idle-s", type=float, default=_SESSION.idle_s,
                      help="a session without a request this long is over "
                      "(default: %(default)s)")
-    ses.add_argument("--session-prefix-messages", type=int, default=2,
+    ses.add_argument("--session-prefix-messages", type=int,
+                     default=_SESSION.prefix_messages,
                      help="without a header or 'user', a chat is known by its first this "
                      "many messages (default: %(default)s)")
-    ses.add_argument("--session-tool-priority", type=int, default=80,
+    ses.add_argument("--session-tool-priority", type=int, default=_SESSION.tool_priority,
                      help="after an answer that called a tool (default: %(default)s) ...")
-    ses.add_argument("--session-tool-s", type=float, default=120.0,
+    ses.add_argument("--session-tool-s", type=float, default=_SESSION.tool_s,
                      help="... for this long (default: %(default)s)")
-    ses.add_argument("--session-turn-priority", type=int, default=50,
+    ses.add_argument("--session-turn-priority", type=int, default=_SESSION.turn_priority,
                      help="after an end of turn (default: %(default)s) ...")
-    ses.add_argument("--session-turn-s", type=float, default=600.0,
+    ses.add_argument("--session-turn-s", type=float, default=_SESSION.turn_s,
                      help="... for this long (default: %(default)s)")
     p.add_argument("--drain-s", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
