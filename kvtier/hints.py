@@ -10,7 +10,9 @@ The shape is TensorRT-LLM's retention config, in seconds::
       },
       "release": true,                                    # or: the prefix is done
       "finish": {"stop": {"priority": 60, "duration_s": 600},   # set when it finishes,
-                 "length": {"priority": 60, "duration_s": 600}} # by how it finished
+                 "length": {"priority": 60, "duration_s": 600}, # by how it finished
+                 "tool_calls": {"priority": 80, "duration_s": 20},
+                 "tool_call_tokens": [151657]}                  # what marks a tool call
     }
 
 Each chunk of the prompt takes the highest priority among the ranges that overlap its tokens
@@ -21,13 +23,18 @@ drops the prompt's chunks to priority 0 when the request finishes. ``finish`` ho
 retention per way the engine can end a request (``stop``: an end-of-sequence token or a
 stop string, ``length``: ``max_tokens`` or the model's length, ``abort``: the client left or
 an error); the one for how it ended is set on the request's chunks when it finishes, where it
-is stronger than what they hold (the router sets it for a session's turn). Everything is checked
+is stronger than what they hold (the router sets it for a session's turn). The engine cannot
+tell a tool call from an end of turn (both end on a stop token) unless it is told what starts
+one: with ``tool_call_tokens`` (the model's tool-call marker, e.g. Qwen's ``<tool_call>``),
+an answer whose generated tokens contain one of them ended in ``tool_calls``, and that
+entry is set instead of ``stop``'s or ``length``'s. Everything is checked
 here (the connector and the router parse the same way) and bounded: at most
 ``MAX_RANGES`` ranges, priorities 0-100, durations in (0, ``MAX_RETAIN_S``] seconds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated
 
 from msgspec import Meta
@@ -36,6 +43,9 @@ from kvtier.config import ConfigStruct, parse
 from kvtier.errors import ConfigError
 from kvtier.policies.retention import MAX_RETAIN_S, MIN_PRIORITY
 
+MAX_TOOL_CALL_TOKENS = 16
+"""Token ids that may mark a tool call (a model has one or two; checked against every
+generated token at finish)."""
 MAX_RANGES = 8
 """Token ranges one request may give: enough for a system prompt, tools and turns. Each
 run of equal retention is one blocking round trip in vLLM's scheduler loop (at store and at
@@ -44,6 +54,7 @@ finish), and ``n`` ranges make at most ``2n + 1`` runs: 17."""
 Priority = Annotated[int, Meta(ge=0, le=100)]
 Duration = Annotated[float, Meta(gt=0.0, le=MAX_RETAIN_S)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 40)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 ChunkRetention = tuple[int, float | None]
 """A chunk's priority and duration in seconds (``None``: until changed)."""
 
@@ -117,10 +128,33 @@ class FinishRetention(ConfigStruct, frozen=True):
     stop: Retain | None = None
     length: Retain | None = None
     abort: Retain | None = None
+    tool_calls: Retain | None = None
+    """For an answer whose generated tokens hold one of ``tool_call_tokens``."""
+    tool_call_tokens: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_TOOL_CALL_TOKENS)] = ()
+    """Token ids that start a tool call in the model's answers (e.g. Qwen's ``<tool_call>``):
+    how the connector tells a tool call from an end of turn."""
 
-    def of(self, reason: str | None) -> Retain | None:
-        """The retention for ``reason`` (one of :data:`FINISH_REASONS`), if any."""
-        return getattr(self, reason) if reason in FINISH_REASONS else None
+    def __post_init__(self) -> None:
+        if self.tool_calls is not None and not self.tool_call_tokens:
+            raise ConfigError("tool_calls needs tool_call_tokens: the token ids that start a "
+                              "tool call in the model's answers (the engine cannot tell a "
+                              "tool call from an end of turn otherwise)")
+
+    def of(self, reason: str | None, generated: Iterable[int] = ()) -> Retain | None:
+        """The retention for ``reason`` (one of :data:`FINISH_REASONS`), if any; for
+        ``tool_calls``'s when the answer (its ``generated`` token ids) holds a tool-call
+        token and did not abort."""
+        if reason not in FINISH_REASONS:
+            return None
+        if self.tool_calls is not None and reason != "abort" and self.is_tool_call(generated):
+            return self.tool_calls
+        retain: Retain | None = getattr(self, reason)
+        return retain
+
+    def is_tool_call(self, generated: Iterable[int]) -> bool:
+        """Whether ``generated`` holds one of ``tool_call_tokens`` (one pass)."""
+        marks = frozenset(self.tool_call_tokens)
+        return bool(marks) and not marks.isdisjoint(generated)
 
 
 def _rank(priority: int, duration_s: float | None) -> tuple[int, float]:

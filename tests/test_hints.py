@@ -118,8 +118,35 @@ def test_a_finish_retention_per_reason_is_parsed_and_checked() -> None:
     assert options.tenant == "alice"
     assert options.finish.of("stop") == Retain(80, 120.0)
     assert options.finish.of("length") is None and options.finish.of("__class__") is None
-    for bad in ({"finish": {"tool_calls": {"priority": 80}}},
+    for bad in ({"finish": {"tool_calls": {"priority": 80}}},  # no marker: never told apart
+                {"finish": {"tool_calls": {"priority": 80}, "tool_call_tokens": []}},
+                {"finish": {"tool_call_tokens": [-1]}},
+                {"finish": {"tool_call_tokens": [1 << 31]}},
+                {"finish": {"tool_call_tokens": list(range(17))}},
+                {"finish": {"tool_call_tokens": ["<tool_call>"]}},
                 {"finish": {"stop": {"priority": 101}}},
                 {"finish": {"stop": {"priority": 80, "duration_s": 0}}},
                 {"tenant": ""}, {"tenant": "x" * 65}):
         assert RequestOptions.from_params({"kvtier": bad}) == RequestOptions(), bad
+
+
+def test_an_answer_that_holds_a_tool_call_token_ended_in_tool_calls() -> None:
+    """With ``tool_call_tokens`` the engine tells a tool call from an end of turn: a stop or
+    length whose generated tokens hold a marker takes ``tool_calls``'s retention, one
+    without takes its own; an abort is never a tool call; no marker list, no tool calls."""
+    from kvtier.hints import FinishRetention, Retain
+    from kvtier.vllm.config import RequestOptions
+
+    options = RequestOptions.from_params({"kvtier": {"finish": {
+        "stop": {"priority": 40, "duration_s": 600},
+        "tool_calls": {"priority": 80, "duration_s": 20},
+        "tool_call_tokens": [151657, 7]}}})
+    finish = options.finish
+    assert finish is not None and finish.tool_call_tokens == (151657, 7)
+    assert finish.of("stop", [3, 4, 151657, 5]) == Retain(80, 20.0)
+    assert finish.of("length", iter([7])) == Retain(80, 20.0)
+    assert finish.of("stop", [3, 4, 5]) == Retain(40, 600.0)
+    assert finish.of("length", [3]) is None
+    assert finish.of("abort", [7]) is None
+    assert finish.of(None, [7]) is None
+    assert FinishRetention(stop=Retain(40)).of("stop", [151657]) == Retain(40)

@@ -105,9 +105,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     ses.add_argument("--session-tool-s", type=float, default=_SESSION.tool_s,
                      help="... for this long (default: %(default)s)")
     ses.add_argument("--session-turn-priority", type=int, default=_SESSION.turn_priority,
-                     help="after an end of turn (default: %(default)s) ...")
+                     help="after an end of turn (default: %(default)s, the default "
+                     "priority: nothing) ...")
     ses.add_argument("--session-turn-s", type=float, default=_SESSION.turn_s,
                      help="... for this long (default: %(default)s)")
+    ses.add_argument("--session-tool-tokens", metavar="ID,ID", default="",
+                     help="the token ids that start a tool call in the model's answers (e.g. "
+                     "Qwen's <tool_call>): the connector then tells a tool call from an end of "
+                     "turn when the answer ends; without them the router goes by the previous "
+                     "answer")
     p.add_argument("--drain-s", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
     p.add_argument("--prefix-chunks", type=int, default=2,

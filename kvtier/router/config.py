@@ -169,7 +169,17 @@ def _sessions(args: argparse.Namespace) -> SessionConfig:
         retain=True, end_header=args.session_end_header, max_sessions=args.max_sessions,
         idle_s=args.session_idle_s, prefix_messages=args.session_prefix_messages,
         tool_priority=args.session_tool_priority, tool_s=args.session_tool_s,
-        turn_priority=args.session_turn_priority, turn_s=args.session_turn_s)
+        turn_priority=args.session_turn_priority, turn_s=args.session_turn_s,
+        tool_tokens=token_ids(args.session_tool_tokens, "--session-tool-tokens"))
+
+
+def token_ids(text: str, option: str) -> tuple[int, ...]:
+    """``ID,ID`` as token ids; ConfigError naming ``option`` otherwise."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{option}: expected token ids separated by commas, as in "
+                          f"151657,151658, got {text!r}") from None
 
 
 MAX_BACKENDS = 1024

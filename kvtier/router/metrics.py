@@ -109,9 +109,12 @@ class RouterMetrics:
                                    "(a request within --session-idle-s)", registry=r)
         self.session_retentions = Counter("kvtier_router_sessions_retentions", "Session "
                                           "requests by the retention the router set: "
-                                          "tool_calls (the last answer called a tool), "
+                                          "finish (one per kind of answer, told apart at "
+                                          "its end by --session-tool-tokens), tool_calls "
+                                          "(without them: the last answer called a tool), "
                                           "turn, client (its own), capped (the tenant's "
-                                          "cap leaves none)", ["reason"], registry=r)
+                                          "cap leaves none), none (none configured)",
+                                          ["reason"], registry=r)
         self.sessions_ended = Counter("kvtier_router_sessions_ended", "Sessions the router "
                                       "forgot: end (the client said), idle, evicted (the "
                                       "table was full)", ["reason"], registry=r)

@@ -4,19 +4,23 @@
 
     request ──► who: --session-header, else the body's ``user``, else its first messages
             ──► X-Session-End: 1 ─► forgotten, nothing set (what it held expires by itself)
-            ──► kv_transfer_params.kvtier += retention (while it runs)
-                                            + finish.stop/length (set when it ends)
-                  after an answer that ended in tool calls: --session-tool-priority for
-                  --session-tool-s (the next turn comes within seconds); else the softer
-                  --session-turn-priority for --session-turn-s
+            ──► kv_transfer_params.kvtier.finish += what each kind of answer earns, set by
+                the connector when the answer ends:
+                  tool_calls (a generated token is one of --session-tool-tokens): the next
+                  turn comes within seconds, --session-tool-priority for --session-tool-s;
+                  stop/length (an end of turn): --session-turn-priority for --session-turn-s
+                  (by default the default priority: nothing)
     answer  ──► its finish_reason (whole or streamed) is the session's last
 
-The engine cannot tell a tool call from an end of turn (both end on a stop token), so the
-retention set when an answer ends is chosen from the session's previous answer: a session
-inside a tool loop keeps the short, high one until an answer ends its turn. The connector
-sets it at the end with ``keep_stronger`` (:mod:`kvtier.hints`), so no retention of another
-session on a shared prefix is lowered, and it expires lazily in the store: an idle session
-(no request for --session-idle-s) needs nothing sent.
+The engine cannot tell a tool call from an end of turn (both end on a stop token) unless it is
+told the model's tool-call marker, ``--session-tool-tokens`` (e.g. Qwen's ``<tool_call>``).
+Without one the router falls back to the session's previous answer: a session whose last
+answer called a tool gets the tool retention, while it runs and at its end. That guess is a
+loss on the public agent traces (docs/results/retention-agentic): an answer that ends a tool
+loop keeps a long context the user comes back to minutes later, so the router warns at start.
+The connector sets a finish retention with ``keep_stronger`` (:mod:`kvtier.hints`), so no
+retention of another session on a shared prefix is lowered, and it expires lazily in the
+store: an idle session (no request for --session-idle-s) needs nothing sent.
 
 The client's own ``retention``, ``priority``, ``release`` or ``finish`` wins (within its
 tenant's cap): the router then adds nothing. The router's priorities are capped by the
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.hints import MAX_TOOL_CALL_TOKENS
 from kvtier.policies.retention import DEFAULT_PRIORITY, MAX_RETAIN_S
 from kvtier.router.finish import TOOL_CALLS
 from kvtier.router.metrics import RouterMetrics
@@ -47,11 +53,12 @@ MAX_USER_CHARS = 256
 CLIENT_KEYS = ("retention", "priority", "release", "finish")
 """A client that sets any of these in ``kv_transfer_params.kvtier`` decides for itself."""
 _TRUE = frozenset({"1", "true", "yes"})
+log = logging.getLogger("kvtier.router")
 
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """``--session-*`` (docs/router.md, "Sessions")."""
+    """``--session-*`` (docs/router-tenants.md, "Sessions")."""
 
     retain: bool = False
     """Whether the router sets retention for sessions at all (``--session-retention``)."""
@@ -63,9 +70,16 @@ class SessionConfig:
     prefix_chars: int = 2048
     """... and a completion by its prompt's first this many characters (or token ids)."""
     tool_priority: int = 80
-    tool_s: float = 120.0
-    turn_priority: int = 50
+    tool_s: float = 20.0
+    """After a tool call the next turn came in a median 17 s on the public agent traces;
+    longer or after every answer lost there (docs/results/retention-agentic)."""
+    turn_priority: int = DEFAULT_PRIORITY
+    """After an end of turn: nothing by default (the user comes back minutes later, if at
+    all: keeping the context loses more than it wins)."""
     turn_s: float = 600.0
+    tool_tokens: tuple[int, ...] = ()
+    """Token ids that start a tool call in the model's answers (``--session-tool-tokens``):
+    with them the connector tells a tool call from an end of turn when the answer ends."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sessions <= 10_000_000:
@@ -81,6 +95,11 @@ class SessionConfig:
                                  ("--session-turn-priority", self.turn_priority)):
             if not 0 <= priority <= 100:
                 raise ConfigError(f"{option}: must be an integer in [0, 100], got {priority}")
+        if len(self.tool_tokens) > MAX_TOOL_CALL_TOKENS or not all(
+                0 <= t < 1 << 31 for t in self.tool_tokens):
+            raise ConfigError(f"--session-tool-tokens: expected at most "
+                              f"{MAX_TOOL_CALL_TOKENS} token ids in [0, 2^31), got "
+                              f"{list(self.tool_tokens)}")
         if not 1 <= self.prefix_messages <= 64:
             raise ConfigError(f"--session-prefix-messages: must be in [1, 64], got "
                               f"{self.prefix_messages}")
@@ -106,6 +125,11 @@ class Sessions:
         self._tables: dict[str, OrderedDict[bytes, Session]] = {}
         """Each tenant's sessions, least recently seen first: one tenant's many sessions push
         out its own, never another's (tenants are the configured ones, so few)."""
+        if config.retain and not config.tool_tokens and config.tool_priority > DEFAULT_PRIORITY:
+            log.warning("--session-retention without --session-tool-tokens: the engine cannot "
+                        "tell a tool call from an end of turn, so a session's retention "
+                        "follows its previous answer (a guess that lost hits on the public "
+                        "agent traces; docs/router-tenants.md, Sessions)")
 
     def __len__(self) -> int:
         return sum(map(len, self._tables.values()))
@@ -173,24 +197,46 @@ class Sessions:
                                     or any(k in options for k in CLIENT_KEYS)):
             self._metrics.session_retentions.labels("client").inc()
             return False
-        cfg = self.config
-        tool = session.last_finish == TOOL_CALLS
-        priority = min(cfg.tool_priority if tool else cfg.turn_priority, tenant.max_priority)
-        duration = cfg.tool_s if tool else cfg.turn_s
-        if priority <= DEFAULT_PRIORITY:
-            self._metrics.session_retentions.labels("capped").inc()
-            return False
-        turn = {"priority": min(cfg.turn_priority, tenant.max_priority),
-                "duration_s": cfg.turn_s}
-        retain = {"priority": priority, "duration_s": duration}
-        if options is None:  # made only now: a body left alone is left as it came
-            params = body.setdefault("kv_transfer_params", {})
-            options = params["kvtier"] = {}
+        cfg, cap = self.config, tenant.max_priority
+        tool = _retain(cfg.tool_priority, cfg.tool_s, cap)
+        turn = _retain(cfg.turn_priority, cfg.turn_s, cap)
+        if cfg.tool_tokens:  # the connector tells the answer's kind when it ends
+            finish: dict[str, Any] = {"stop": turn, "length": turn} if turn else {}
+            if tool:
+                finish.update(tool_calls=tool, tool_call_tokens=list(cfg.tool_tokens))
+            if not finish:
+                return self._nothing(cfg.tool_priority, cfg.turn_priority)
+            self._options(body, options)["finish"] = finish
+            stamp_tenant(body, tenant)
+            self._metrics.session_retentions.labels("finish").inc()
+            return True
+        after_tool = session.last_finish == TOOL_CALLS
+        retain = tool if after_tool else turn
+        if retain is None:
+            return self._nothing(cfg.tool_priority if after_tool else cfg.turn_priority)
+        options = self._options(body, options)
         options["retention"] = retain
-        options["finish"] = {"stop": retain, "length": turn}
+        options["finish"] = {"stop": retain, **({"length": turn} if turn else {})}
         stamp_tenant(body, tenant)
-        self._metrics.session_retentions.labels(TOOL_CALLS if tool else "turn").inc()
+        self._metrics.session_retentions.labels(TOOL_CALLS if after_tool else "turn").inc()
         return True
+
+    def _nothing(self, *configured: int) -> bool:
+        """No retention to set: the tenant's cap took it, or the configured one is none."""
+        capped = any(p > DEFAULT_PRIORITY for p in configured)
+        self._metrics.session_retentions.labels("capped" if capped else "none").inc()
+        return False
+
+    @staticmethod
+    def _options(body: dict[str, Any], options: dict[str, Any] | None) -> dict[str, Any]:
+        """The body's ``kv_transfer_params.kvtier``, made only now if it had none (a body
+        left alone is left as it came)."""
+        if options is not None:
+            return options
+        params = body.setdefault("kv_transfer_params", {})
+        made: dict[str, Any] = {}
+        params["kvtier"] = made
+        return made
 
     # ------------------------------------------------------------------ identity
 
@@ -229,6 +275,14 @@ class Sessions:
             assert len(table) <= self.config.max_sessions, name
             seen = [s.last_seen for s in table.values()]
             assert seen == sorted(seen), f"{name}'s table is not in order of last request"
+
+
+def _retain(priority: int, duration_s: float, cap: int) -> dict[str, Any] | None:
+    """A retention of ``priority`` (at most ``cap``) for ``duration_s``; None at or below
+    the default (nothing to set)."""
+    priority = min(priority, cap)
+    return {"priority": priority, "duration_s": duration_s} \
+        if priority > DEFAULT_PRIORITY else None
 
 
 def check_session(value: str) -> str:

@@ -11,14 +11,17 @@ simulate`` replays them through the store's placement core. Sources (``--hints``
                        that continues within seconds (retain at PRIORITY for TTL s); any other
                        (an end of turn) gets none; a session's explicit end releases
     session[:TOOL_S,STOP_S[,STOP_PRIORITY]]
-                       what the router derives from the stop reason of a session's last
-                       answer, and nothing else: once an answer ends in tool calls the
-                       prompt is set to PRIORITY for TOOL_S (default 80 for 120 s: the next
-                       turn comes while the tool runs); once it ends a turn (any other known
-                       stop reason), to STOP_PRIORITY for STOP_S (default 50 for 600 s: a
-                       lower bonus that expires); an unknown one changes nothing. A request
-                       enters at what its session's previous answer earned; an explicit end
-                       releases
+                       what the router sets when it is told the model's tool-call tokens
+                       (``kvtier route --session-tool-tokens``): nothing while a request
+                       runs; when its answer ends, if it ended in tool calls its prompt is
+                       set to PRIORITY for TOOL_S (default 80 for 20 s: the next turn comes
+                       while the tool runs), else (any other known stop reason) to
+                       STOP_PRIORITY for STOP_S (default 35: nothing); an unknown one
+                       changes nothing; an explicit end releases
+    session-prev[:TOOL_S,STOP_S[,STOP_PRIORITY]]
+                       what the router sets without the tool-call tokens: the engine cannot
+                       tell an answer's kind, so a request gets what its session's previous
+                       answer earned, while it runs and again when it ends
     continues:T        an oracle: a request whose session's next request comes within T s
                        is retained for T s; one whose session does not continue within T is
                        released (what the bound "oracle-which" knows, delivered through the
@@ -44,15 +47,16 @@ HINT_PRIORITY = 80
 MIN_SHARED = 2
 """Leading blocks a request must share with an earlier one to continue its conversation."""
 TOOL_STOPS = frozenset({"tool_calls", "tool_use", "function_call"})
-SOURCES = ("trace", "none", "session[:TOOL_S,STOP_S[,STOP_PRIORITY]]", "router:TTL",
-           "continues:T")
-SESSION_TOOL_S = 120.0
-"""How long the router keeps a prefix after an answer that ended in tool calls."""
+SOURCES = ("trace", "none", "session[:TOOL_S,STOP_S[,STOP_PRIORITY]]",
+           "session-prev[:TOOL_S,STOP_S[,STOP_PRIORITY]]", "router:TTL", "continues:T")
+SESSION_TOOL_S = 20.0
+"""How long the router keeps a prefix after an answer that ended in tool calls (its
+``--session-tool-s``)."""
 SESSION_STOP_S = 600.0
 """How long the router keeps a prefix after an answer that ended a turn."""
-SESSION_STOP_PRIORITY = 50
-"""The priority of a prefix whose last answer ended a turn: above the default, below a
-session in a tool loop."""
+SESSION_STOP_PRIORITY = 35
+"""The priority of a prefix whose last answer ended a turn (the router's
+``--session-turn-priority``): the default, so nothing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,7 @@ class SessionHints:
 def parse_source(text: str) -> tuple[str, float | None]:
     """``--hints`` as (kind, seconds); ConfigError naming what is allowed otherwise."""
     kind, _, arg = text.partition(":")
-    if kind == "session":
+    if kind in ("session", "session-prev"):
         parse_session(text)
         return kind, None
     if kind in ("trace", "none") and not arg:
@@ -86,7 +90,7 @@ def parse_session(text: str, priority: int = HINT_PRIORITY) -> SessionHints:
     parts = arg.split(",") if arg else []
     if len(parts) not in (0, 2, 3):
         raise ConfigError(f"--hints {text}: expected session or session:TOOL_S,STOP_S"
-                          "[,STOP_PRIORITY], as in session:120,600,50")
+                          "[,STOP_PRIORITY], as in session:20,600,50 (session-prev the same)")
     try:
         tool_s = check_duration(_seconds(parts[0])) if parts else SESSION_TOOL_S
         stop_s = check_duration(_seconds(parts[1])) if parts else SESSION_STOP_S
@@ -116,8 +120,9 @@ def apply_hints(requests: Sequence[Request], source: str,
     if kind == "none":
         return [dataclasses.replace(r, retention=None, end=False, finish=None)
                 for r in requests]
-    if kind == "session":
-        return session_hints(requests, parse_session(source, priority))
+    if kind in ("session", "session-prev"):
+        return session_hints(requests, parse_session(source, priority),
+                             at_finish=kind == "session")
     assert seconds is not None
     if kind == "router":
         return [_routed(r, priority, seconds) for r in requests]
@@ -136,16 +141,22 @@ def _routed(r: Request, priority: int, ttl_s: float) -> Request:
     return dataclasses.replace(r, retention=(priority, ttl_s) if tool and not r.end else None)
 
 
-def session_hints(requests: Sequence[Request], hints: SessionHints) -> list[Request]:
-    """The router's hints from the stop reasons it saw (see the module docstring): each
-    request enters at what its session's previous answer earned and, answered, its prompt
-    is set to what its own answer earns."""
+def session_hints(requests: Sequence[Request], hints: SessionHints,
+                  at_finish: bool = True) -> list[Request]:
+    """The router's hints from the stop reasons (see the module docstring). ``at_finish``
+    (told the tool-call tokens): a request's prompt is set, when it is answered, to what its
+    own answer earns. Else each request gets what its session's previous answer earned,
+    while it runs and again at its end."""
     earned: dict[Hashable, tuple[int, float] | None] = {}
     out = []
     for r, session in zip(requests, sessions(requests), strict=True):
         now = _earned(r.stop_reason, hints)
-        out.append(dataclasses.replace(r, retention=earned.get(session),
-                                       finish=None if r.end else now))
+        if at_finish:
+            out.append(dataclasses.replace(r, retention=None, finish=None if r.end else now))
+        else:
+            before = earned.get(session)
+            out.append(dataclasses.replace(r, retention=before,
+                                           finish=None if r.end else before))
         if now is not None:
             earned[session] = now
     return out

@@ -251,12 +251,17 @@ class Simulator:
 
     def _finished(self, blocks: tuple[BlockId, ...], priority: int,
                   duration: float | None) -> None:
-        """The router's ``set_priority`` once the answer is known: the whole prompt moved
-        to its retention (tail first), replacing what its blocks hold."""
+        """The connector's ``set_priority`` of the retention for how the answer ended
+        (``finish``), tail first, where it is stronger than what a block holds
+        (``keep_stronger``, as for a request's own retention)."""
         until = None if duration is None or priority == DEFAULT_PRIORITY else (
             self.now + duration)
+        wanted = _lasting((priority, until))
         for tier in self.tiers:
-            tier.books.set_priorities(blocks, priority, until)
+            policy = tier.books.policy
+            tier.books.set_priorities([b for b in blocks if (held := policy.retention(b))
+                                       is not None and _lasting(held) < wanted],
+                                      priority, until)
         self.priority, self.until = DEFAULT_PRIORITY, None
 
     def _servable(self, block: Hashable) -> str | None:

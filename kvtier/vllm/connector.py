@@ -203,7 +203,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._events is not None:
             self._events.untrack(request.request_id)
         self._requests.pop(request.request_id, None)
-        return False, self.sched.request_finished(request.request_id, _finish_reason(request))
+        return False, self.sched.request_finished(request.request_id, _finish_reason(request),
+                                                  request.output_token_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()

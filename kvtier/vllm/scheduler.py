@@ -452,11 +452,12 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ end of a request
 
-    def request_finished(self, req_id: str, reason: str | None = None
-                         ) -> dict[str, object] | None:
+    def request_finished(self, req_id: str, reason: str | None = None,
+                         generated: Sequence[int] = ()) -> dict[str, object] | None:
         """The request is done (``reason``: how it ended, one of
-        :data:`~kvtier.hints.FINISH_REASONS`, if known): its accounting for
-        kv_transfer_params, and cleanup."""
+        :data:`~kvtier.hints.FINISH_REASONS`, if known; ``generated``: its answer's token
+        ids, which tell a tool call where the request says what marks one): its accounting
+        for kv_transfer_params, and cleanup."""
         st = self._reqs.get(req_id)
         if st is None:
             return None
@@ -467,7 +468,7 @@ class SchedulerSide:
             st.load.cancelled = True  # the worker must still report it (vLLM holds blocks)
         if st.load is None:
             del self._reqs[req_id]
-        self._retain_at_finish(st, reason)
+        self._retain_at_finish(st, reason, generated)
         # A report is a round trip to the node server inside vLLM's scheduler loop. An
         # engine that still runs other requests keeps stepping, and the periodic report
         # carries this one's counters within REPORT_EVERY_S; only one about to go idle
@@ -543,12 +544,14 @@ class SchedulerSide:
             out[generated:] = [default] * max(0, n - generated)
         return out
 
-    def _retain_at_finish(self, st: ReqState, reason: str | None) -> None:
+    def _retain_at_finish(self, st: ReqState, reason: str | None,
+                          generated: Sequence[int] = ()) -> None:
         """What the request asked for its prefix once it is answered: a release drops it to
         priority 0; a retention (or priority) is set again, its durations counted from now
         (the gap before the next turn), where it is stronger than what the chunk has (another
         request's on a shared prefix stays); then the retention for how it ended
-        (``finish``), the same way. Runs from the tail, so the chain keeps its order."""
+        (``finish``; ``tool_calls``'s for an answer that holds a tool-call token), the same
+        way. Runs from the tail, so the chain keeps its order."""
         options = st.info.options
         if not st.keys:
             return
@@ -562,7 +565,7 @@ class SchedulerSide:
             for lo, hi, (priority, retain_s) in reversed(runs(self._retentions(st, len(keys)))):
                 self.link.call(SetPriority(keys[lo:hi], priority, retain_s,
                                            keep_stronger=True, tenant=options.tenant), None)
-        at_end = options.finish.of(reason) if options.finish is not None else None
+        at_end = options.finish.of(reason, generated) if options.finish is not None else None
         if at_end is not None:
             self.link.call(SetPriority(keys, at_end.priority, at_end.duration_s,
                                        keep_stronger=True, tenant=options.tenant), None)

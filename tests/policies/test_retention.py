@@ -287,3 +287,37 @@ def test_a_replays_plain_tables_choose_the_same_victims_as_a_servers_sharded_one
         for key in outs[0] or ():
             held.remove(key)
     assert policies[0].order() == policies[1].order()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=40), st.integers(0, 39),
+       st.integers(1, 15), st.integers(36, 100))
+def test_under_lru_a_short_retention_is_a_recency_bonus(
+        uses: list[int], retained_at: int, bonus: int, priority: int) -> None:
+    """A guess (the next turn within D s) is a soft, expiring bonus when it is a short
+    retention: under LRU, a key retained above the default for D s at time t leaves, among
+    keys at the default, exactly where a key last used at t + D would (the deadline applied
+    when it passes, as a store that chooses victims all the time does). Keys are used one a
+    second, hits and stores alike; at step ``retained_at`` the key just used gets the
+    retention (re-used before it expires, it keeps it: a bonus on the use that set it)."""
+    clock = Clock()
+    policy: EvictionPolicy[Hashable] = make_eviction("lru", 100, clock)
+    last: dict[int, float] = {}
+    bonus_until: dict[int, float] = {}
+    for step, key in enumerate(uses):
+        clock.now = float(step)
+        policy.expire()
+        if key in policy:
+            policy.touch(key)
+        else:
+            policy.insert(key)
+        last[key] = clock.now
+        if step == retained_at:
+            policy.set_priority(key, priority, until=clock.now + bonus)
+            bonus_until[key] = clock.now + bonus
+    clock.now = float(len(uses))
+    held = [k for k in policy.order() if policy.retention(k) == (DEFAULT_PRIORITY, None)]
+    # the reference: each key by its last use, the retained one's moved to its deadline if
+    # that passed (a key still retained is not at the default and not compared)
+    virtual = {k: max(t, bonus_until.get(k, -1.0)) for k, t in last.items() if k in held}
+    assert held == sorted(held, key=lambda k: (virtual[k], k not in bonus_until))

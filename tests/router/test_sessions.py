@@ -1,7 +1,8 @@
-"""Sessions through the router to stub backends: an agent's tool loop gets the short, high
-retention after each tool call and the soft one after its turn ends; the client's own
-retention and its tenant's cap win; an explicit end or an idle session lets go; a hostile
-client cannot grow the table or pass a bad session header."""
+"""Sessions through the router to stub backends: told the model's tool-call tokens, the
+router asks the connector for a retention per kind of answer; without them an agent's tool
+loop gets the short, high retention after each tool call and the soft one after its turn
+ends; the client's own retention and its tenant's cap win; an explicit end or an idle
+session lets go; a hostile client cannot grow the table or pass a bad session header."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from kvtier.router.tenants import load_tenants
 
 TURN = {"priority": 50, "duration_s": 600.0}
 TOOL = {"priority": 80, "duration_s": 120.0}
-ON = SessionConfig(retain=True)
+ON = SessionConfig(retain=True, tool_s=120.0, turn_priority=50)
+"""Without tool-call tokens: by the previous answer (a soft turn retention set, to see it)."""
 
 
 def sent(backend: StubBackend, i: int = -1) -> dict[str, Any] | None:
@@ -156,7 +158,7 @@ def test_an_ended_or_idle_session_lets_go() -> None:
     afresh, soft); a session idle past --session-idle-s is forgotten the same way."""
 
     async def main() -> None:
-        config = SessionConfig(retain=True, idle_s=0.3)
+        config = SessionConfig(retain=True, idle_s=0.3, turn_priority=50)
         async with stubs(1, finish_reason="tool_calls") as (backend,), running_router(
                 router_config([backend], sessions=config)) as router, \
                 aiohttp.ClientSession() as http:
@@ -184,7 +186,7 @@ def test_a_hostile_client_cannot_grow_the_table_or_pass_a_bad_session() -> None:
     or not ASCII is refused with 400 naming the rule, before any backend sees it."""
 
     async def main() -> None:
-        config = SessionConfig(retain=True, max_sessions=8)
+        config = SessionConfig(retain=True, max_sessions=8, tool_s=120.0)
         async with stubs(1) as (backend,), running_router(router_config(
                 [backend], sessions=config)) as router, aiohttp.ClientSession() as http:
             url = f"http://127.0.0.1:{router.port}/v1/completions"
@@ -263,9 +265,15 @@ def test_session_options_from_the_command_line() -> None:
     assert RouterConfig.from_args(parser.parse_args(base)).sessions.retain is False
     config = RouterConfig.from_args(parser.parse_args([
         *base, "--session-retention", "--max-sessions", "50", "--session-tool-s", "30",
-        "--session-turn-priority", "40", "--session-end-header", "X-Done"]))
+        "--session-turn-priority", "40", "--session-end-header", "X-Done",
+        "--session-tool-tokens", "151657, 7"]))
     assert config.sessions == SessionConfig(retain=True, max_sessions=50, tool_s=30.0,
-                                            turn_priority=40, end_header="X-Done")
+                                            turn_priority=40, end_header="X-Done",
+                                            tool_tokens=(151657, 7))
+    for bad in ("<tool_call>", "-1", ",".join(["1"] * 17)):
+        with pytest.raises(ConfigError, match="--session-tool-tokens"):
+            RouterConfig.from_args(parser.parse_args(
+                [*base, "--session-retention", "--session-tool-tokens", bad]))
     with pytest.raises(ConfigError, match="--session-tool-priority"):
         RouterConfig.from_args(parser.parse_args(
             [*base, "--session-retention", "--session-tool-priority", "300"]))
@@ -284,7 +292,7 @@ def test_one_tenants_many_sessions_never_push_out_anothers(tmp_path: Path) -> No
     tenants = load_tenants(str(path), None, None)
 
     async def main() -> None:
-        config = SessionConfig(retain=True, max_sessions=8)
+        config = SessionConfig(retain=True, max_sessions=8, tool_s=120.0)
         async with stubs(1, finish_reason="tool_calls") as (backend,), running_router(
                 router_config([backend], sessions=config, tenants=tenants)) as router, \
                 aiohttp.ClientSession() as http:
@@ -303,3 +311,52 @@ def test_one_tenants_many_sessions_never_push_out_anothers(tmp_path: Path) -> No
             assert retention == {"priority": 80, "duration_s": 120.0}, retention
 
     asyncio.run(main())
+
+
+def test_told_the_tool_call_tokens_the_router_asks_for_a_retention_per_kind_of_answer(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With --session-tool-tokens every session request carries ``finish`` only (the answer's
+    kind is known when it ends, not before: no retention while it runs): ``tool_calls`` with
+    the markers, the turn's for ``stop`` and ``length`` when one is set; the defaults set
+    none after an end of turn. The tenant's cap applies; without markers the router warns."""
+    tools = SessionConfig(retain=True, tool_tokens=(151657,))
+
+    async def main() -> None:
+        async with stubs(1, finish_reason="tool_calls") as (backend,), running_router(
+                router_config([backend], sessions=tools)) as router, \
+                aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            who = {"X-Session-Id": "agent-1"}
+            for _ in range(2):  # the previous answer changes nothing
+                assert await ask(http, url, completion("p"), who) == 200
+                assert sent(backend) == {"finish": {
+                    "tool_calls": {"priority": 80, "duration_s": 20.0},
+                    "tool_call_tokens": [151657]}}
+            assert sample(router, "kvtier_router_sessions_retentions_total",
+                          reason="finish") == 2
+
+    caplog.set_level("WARNING", logger="kvtier.router")
+    asyncio.run(main())
+    assert "--session-tool-tokens" not in caplog.text
+    turn = SessionConfig(retain=True, tool_tokens=(1, 2), turn_priority=50, turn_s=60.0)
+
+    async def with_turn() -> None:
+        async with stubs(1) as (backend,), running_router(router_config(
+                [backend], sessions=turn)) as router, aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            assert await ask(http, url, completion("q"), {"X-Session-Id": "a"}) == 200
+            soft = {"priority": 50, "duration_s": 60.0}
+            assert sent(backend) == {"finish": {
+                "stop": soft, "length": soft, "tool_calls": {"priority": 80, "duration_s": 20.0},
+                "tool_call_tokens": [1, 2]}}
+            assert router.sessions is not None
+
+    asyncio.run(with_turn())
+    asyncio.run(_without_markers_warns())
+    assert "--session-tool-tokens" in caplog.text
+
+
+async def _without_markers_warns() -> None:
+    async with stubs(1) as (backend,), running_router(router_config(
+            [backend], sessions=SessionConfig(retain=True))):
+        pass

@@ -154,8 +154,10 @@ def test_simulate_hints_from_the_command_line(tmp_path: Path) -> None:
 
 def test_the_session_source_sets_at_finish_what_the_stop_reason_earns() -> None:
     """One session: a tool call, a lost stop reason, an end of turn, a tool call that ends
-    it. Each request enters at what the previous answer earned and is set at finish to what
-    its own earns; the lost one changes nothing; the end releases."""
+    it. ``session`` (the router told the tool-call tokens) sets nothing while a request runs
+    and, at finish, what its own answer earns; ``session-prev`` (without them) gives each
+    request what the previous answer earned, while it runs and at finish. A lost stop reason
+    changes nothing; the end releases."""
     s = "a"
     reqs = [Request(0, BT, 0, (1,), BT, session=s, stop_reason="tool_use"),
             Request(5, BT, 0, (1, 2), BT, session=s),
@@ -164,15 +166,20 @@ def test_the_session_source_sets_at_finish_what_the_stop_reason_earns() -> None:
                     end=True)]
     hinted = apply_hints(reqs, "session")
     assert [(r.retention, r.finish, r.end) for r in hinted] == [
-        (None, (80, 120.0), False), ((80, 120.0), None, False),
-        ((80, 120.0), (50, 600.0), False), ((50, 600.0), None, True)]
+        (None, (80, 20.0), False), (None, None, False),
+        (None, (35, 600.0), False), (None, None, True)]
+    prev = apply_hints(reqs, "session-prev:120,600,50")
+    assert [(r.retention, r.finish, r.end) for r in prev] == [
+        (None, None, False), ((80, 120.0), (80, 120.0), False),
+        ((80, 120.0), (80, 120.0), False), ((50, 600.0), None, True)]
     tuned = apply_hints(reqs, "session:30,900,40", priority=90)
     assert [r.finish for r in tuned] == [(90, 30.0), None, (40, 900.0), None]
     assert [(r.retention, r.finish) for r in apply_hints(hinted, "none")] == [(None, None)] * 4
 
 
 @pytest.mark.parametrize("bad", ["session:120", "session:1,2,3,4", "session:0,600",
-                                 "session:120,soon", "session:120,600,101", "session:,"])
+                                 "session:120,soon", "session:120,600,101", "session:,",
+                                 "session-prev:5"])
 def test_bad_session_hints_are_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match="--hints session"):
         parse_source(bad)
@@ -189,20 +196,23 @@ def test_a_session_whose_turn_ended_yields_to_one_in_a_tool_loop_and_both_expire
                req([5], 127.0)]
     later = [Request(130.0, 2 * BT, 0, (3, 4), BT, session="b", stop_reason="stop"),
              Request(131.0, 2 * BT, 0, (1, 2), BT, session="a", stop_reason="stop")]
-    served, _sim = replay(apply_hints(a + b + one_off + later, "session"), 5)
+    served, _sim = replay(apply_hints(a + b + one_off + later, "session:120,600,50"), 5)
     assert served[-2] == [HOST, HOST]  # b kept at 50 until 601 s
     assert served[-1] == []  # a fell back to 35 at 120 s and the one-offs took it
     plain, _sim = replay(apply_hints(a + b + one_off + later, "none"), 5)
     assert plain[-2] == [] and plain[-1] == []
 
 
-def test_a_finish_replaces_a_stronger_retention_the_prompt_held() -> None:
-    """The router's finish moves the prompt down too: a tool loop's 80 becomes the end of
-    turn's 50, so another session's tool-call prefix (80) outlives it."""
+def test_a_finish_keeps_a_stronger_retention_the_prompt_held() -> None:
+    """As the connector sets it (``keep_stronger``): a tool loop's 80 is not lowered by the
+    end of turn's 50 that follows, so the prompt stays at 80 until its deadline and, the
+    oldest among the 80s, leaves first when two more sessions' tool calls come."""
     reqs = [Request(0.0, BT, 0, (1,), BT, session="a", stop_reason="tool_calls"),
             Request(1.0, BT, 0, (1,), BT, session="a", stop_reason="stop"),
             Request(2.0, BT, 0, (2,), BT, session="b", stop_reason="tool_calls"),
             Request(3.0, BT, 0, (3,), BT, session="c", stop_reason="tool_calls")]
-    _served, sim = replay(apply_hints(reqs, "session"), 2)
+    _served, sim = replay(apply_hints(reqs, "session:120,600,50"), 3)
+    assert sim.host.books.policy.retention(1) == (80, 120.0)
+    _served, sim = replay(apply_hints(reqs, "session:120,600,50"), 2)
     policy = sim.host.books.policy
     assert 1 not in policy and policy.retention(2) == (80, 122.0)

@@ -5,8 +5,9 @@ each hint source, under each eviction policy, through one host tier and through 
 write-back disk. Per tier the hits, evictions and blocks written, and a digest of the tier
 that served every block of every prefix and of each tier's final eviction order, must equal
 what the code gave before it was sped up (the main branch for ``none``, ``continues`` and
-``router``; the first version of ``session``). A change that alters any decision changes
-them; one that only makes the replay faster does not.
+``router``; for ``session`` and ``session-prev``, the version that modelled the router's
+finish retention as the connector applies it, keep-stronger). A change that alters any
+decision changes them; one that only makes the replay faster does not.
 """
 
 from __future__ import annotations
@@ -46,30 +47,54 @@ GOLDEN = {
     ("router:30", "s3fifo", 2): ([(4506, 8160, 8303), (2197, 4961, 5361)], "2ef6d36f9e804d03"),
     ("router:30", "prefix", 1): ([(7011, 9936, 10236)], "d7e3e2f76d0453b7"),
     ("router:30", "prefix", 2): ([(4319, 8324, 8467), (2169, 5030, 5430)], "7dda979c0d813913"),
-    ("session", "lru", 1): ([(5920, 10734, 11034)], "b521dbd3b64c5d4d"),
-    ("session", "lru", 2): ([(3381, 8786, 8929), (2508, 5141, 5541)], "045af71dc1943d45"),
-    ("session", "arc", 1): ([(5732, 10870, 11170)], "0453f262848364ae"),
-    ("session", "arc", 2): ([(3515, 8649, 8792), (2259, 5150, 5550)], "72857d6ef5192b9e"),
-    ("session", "s3fifo", 1): ([(5539, 11005, 11305)], "6ef4d1a59e7ae0b9"),
-    ("session", "s3fifo", 2): ([(3225, 8959, 9102), (2494, 5256, 5656)], "d092d9b5958d8511"),
-    ("session", "prefix", 1): ([(6252, 10511, 10811)], "0722d812e3cf489a"),
-    ("session", "prefix", 2): ([(3639, 8523, 8666), (2201, 5235, 5635)], "a4c0ae64cd3a3d2d"),
+    ("session", "lru", 1):
+        ([(6746, 10211, 10511)], "ae2fcc1f448569a7"),
+    ("session", "lru", 2):
+        ([(4206, 8336, 8479), (2213, 5138, 5538)], "e23826764d45eeba"),
+    ("session", "arc", 1):
+        ([(6505, 10181, 10481)], "6ebab9f3f311634e"),
+    ("session", "arc", 2):
+        ([(4279, 8358, 8501), (2199, 5046, 5446)], "b163388958ccb8f6"),
+    ("session", "s3fifo", 1):
+        ([(6802, 10134, 10434)], "6193bd650190c36e"),
+    ("session", "s3fifo", 2):
+        ([(4574, 8069, 8212), (2073, 5137, 5537)], "1dffb1b0152a572a"),
+    ("session", "prefix", 1):
+        ([(6989, 9966, 10266)], "e25ffab2d122bd9a"),
+    ("session", "prefix", 2):
+        ([(4182, 8389, 8532), (2142, 5193, 5593)], "f4456f0174d8aeba"),
     ("session:20,100,40", "lru", 1):
-        ([(6134, 10668, 10968)], "bf523844b66d5a61"),
+        ([(6795, 10162, 10462)], "850176cd0f788437"),
     ("session:20,100,40", "lru", 2):
-        ([(3543, 8939, 9082), (2749, 4902, 5302)], "d5e63ec466edee16"),
+        ([(4247, 8482, 8625), (2080, 5103, 5503)], "7a7206282bd30c20"),
     ("session:20,100,40", "arc", 1):
-        ([(5952, 10711, 11011)], "8ff17d3ff6cb170d"),
+        ([(6766, 10068, 10368)], "e00b77a085c636b9"),
     ("session:20,100,40", "arc", 2):
-        ([(3534, 8880, 9023), (2684, 4973, 5373)], "f8a8fbfd8ef7d56f"),
+        ([(4286, 8299, 8442), (2027, 5129, 5529)], "b76d659c3108a8ab"),
     ("session:20,100,40", "s3fifo", 1):
-        ([(6197, 10560, 10860)], "12c15ff3f8be4929"),
+        ([(6893, 10018, 10318)], "3f23db2be7f92b7f"),
     ("session:20,100,40", "s3fifo", 2):
-        ([(3525, 8907, 9050), (2721, 5010, 5410)], "736dbf65f9664d8a"),
+        ([(4503, 8297, 8440), (2115, 5059, 5459)], "7afbbee14f2cb057"),
     ("session:20,100,40", "prefix", 1):
-        ([(6202, 10565, 10865)], "58d14561071c8c16"),
+        ([(6989, 9966, 10266)], "d310b79e572212eb"),
     ("session:20,100,40", "prefix", 2):
-        ([(3781, 8846, 8989), (2699, 5004, 5404)], "bea67f53939325c4"),
+        ([(4188, 8530, 8673), (2078, 5141, 5541)], "01ec5164a6b3c797"),
+    ("session-prev:120,600,50", "lru", 1):
+        ([(6939, 9977, 10277)], "df50901f2a4658ab"),
+    ("session-prev:120,600,50", "lru", 2):
+        ([(4256, 8091, 8234), (1955, 5245, 5645)], "47f5b35edfe88c5c"),
+    ("session-prev:120,600,50", "arc", 1):
+        ([(6669, 9968, 10268)], "66e447e9469bbd0e"),
+    ("session-prev:120,600,50", "arc", 2):
+        ([(4616, 7573, 7716), (1414, 5267, 5667)], "aa612b18cbfb8b4b"),
+    ("session-prev:120,600,50", "s3fifo", 1):
+        ([(6976, 9928, 10228)], "d2fd16f11a23796b"),
+    ("session-prev:120,600,50", "s3fifo", 2):
+        ([(4726, 7668, 7811), (1597, 5213, 5613)], "1a16bac131ea9ba3"),
+    ("session-prev:120,600,50", "prefix", 1):
+        ([(7030, 9916, 10216)], "4b133a6464ce4b58"),
+    ("session-prev:120,600,50", "prefix", 2):
+        ([(4591, 7849, 7992), (1798, 5214, 5614)], "502e85090fc5859d"),
 }
 
 

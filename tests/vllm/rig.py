@@ -235,9 +235,9 @@ class FakeEngine:
             self.run_workers(plan)
 
     def finish(self, req_id: str, reason: str | None = "stop") -> dict[str, Any]:
-        """End the request (as vLLM says it ended); returns its
-        ``kv_transfer_params["kvtier"]`` accounting."""
-        params = self.sched.request_finished(req_id, reason)
+        """End the request (as vLLM says it ended, with the tokens it generated); returns
+        its ``kv_transfer_params["kvtier"]`` accounting."""
+        params = self.sched.request_finished(req_id, reason, self.reqs[req_id].generated)
         if self.events is not None:
             self.events.untrack(req_id)
         req = self.reqs.pop(req_id)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from rig import BLOCK, CHUNK
 
-from kvtier.hints import RetentionHint
+from kvtier.hints import FinishRetention, Retain, RetentionHint
 from kvtier.keys import chunk_keys
 from kvtier.store import TieredStore
 
@@ -102,3 +102,25 @@ def test_the_next_turns_release_drops_the_answer_too(make_server: Any, engines: 
     assert store is not None
     keys = chunk_keys(engine.sched.ns.fingerprint, TURN, CHUNK)
     assert [h[0] if h else None for h in retention_of(store, keys)] == [0] * 5
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_an_answer_with_a_tool_call_token_takes_the_tool_calls_retention_at_finish(
+        make_server: Any, engines: Any, marked: bool) -> None:
+    """``finish.tool_call_tokens``: the scheduler reads the answer's tokens when vLLM says
+    it stopped; one holding a marker gets ``tool_calls``'s retention on its prompt, one
+    without gets ``stop``'s."""
+    server = make_server(slots=16)
+    engine = engines(server)
+    finish = FinishRetention(stop=Retain(40, 600.0), tool_calls=Retain(80, 20.0),
+                             tool_call_tokens=(ANSWER[7] if marked else 5,))
+    req = engine.add(PROMPT, finish=finish)
+    engine.run(req)
+    engine.decode(req, ANSWER[:10])
+    assert engine.finish(req, "stop")["stored_chunks"] == 3
+    store = server.store
+    assert store is not None and store.flush(5)
+    held = retention_of(store, chunk_keys(engine.sched.ns.fingerprint, PROMPT, CHUNK)[:3])
+    want = (80, 20.0) if marked else (40, 600.0)
+    assert [h[0] if h else None for h in held] == [want[0]] * 3
+    assert all(h is not None and h[1] == pytest.approx(want[1], abs=2.0) for h in held)

@@ -29,7 +29,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeServer]:
     config = ServerConfig.from_dict({
         "socket_path": str(root / "kvtier.sock"),
         "arena": {"size_bytes": 32 * SLOT, "slot_bytes": SLOT, "free_target": 0.0},
-        "retention_quotas": {"tenants": {"alice": {"arena": 2 * SLOT}},
+        "retention_quotas": {"tenants": {"alice": {"arena": 2 * SLOT},
+                                         "bob": {"arena": 8 * SLOT}},
                              "others": {"arena": 0}}})
     node = EmbeddedServer(config).start()
     yield node
@@ -65,4 +66,28 @@ def test_the_finish_retention_for_how_it_ended_lands_within_the_quota(
     assert priorities(server) == [DEFAULT_PRIORITY] * 3 + [60, 60]
     assert sample(server.store, "kvtier_retention_quota_clipped_chunks_total",
                   tier="arena") >= 1 + 2  # alice's third chunk, mallory's two
+    server.store.check_integrity()
+
+
+def test_an_answer_with_the_tool_call_token_keeps_the_tool_calls_retention(
+        llm: Any, server: NodeServer) -> None:
+    """``finish.tool_call_tokens`` through the real engine: the connector reads the answer's
+    token ids when vLLM says it stopped. Marked with a token the answer holds, the prompt
+    takes ``tool_calls``'s priority; marked with one it does not hold, ``length``'s (what
+    ``max_tokens`` ends in). The answers equal the unmarked run's."""
+    prompt = e2e.prompts([2 * 256 + 5], seed=38)[0]
+    plain = e2e.generate(llm, [prompt], max_tokens=4)
+    answer = plain.tokens[0]
+    absent = next(t for t in range(1000, 2000) if t not in answer)
+    assert server.store is not None
+    for marker, want in ((answer[2], 85), (absent, 45)):
+        finish = {"length": {"priority": 45, "duration_s": 300},
+                  "tool_calls": {"priority": 85, "duration_s": 300},
+                  "tool_call_tokens": [marker]}
+        marked = e2e.generate(llm, [prompt], max_tokens=4, finish=finish, tenant="bob")
+        assert marked.tokens == plain.tokens
+        keys = [k for k, e in server.store.entries.items() if e.priority in (45, 85)]
+        assert len(keys) == 2 and {server.store.entries[k].priority for k in keys} == {want}
+        release = e2e.generate(llm, [prompt], max_tokens=4, release=True, tenant="bob")
+        assert release.tokens == plain.tokens
     server.store.check_integrity()
