@@ -20,16 +20,17 @@ Each chunk of the prompt takes the highest priority among the ranges that overla
 ``priority``, else the connector's default. A duration makes the priority fall back to the
 default (35) that many seconds after it is set; none keeps it until changed. ``release``
 drops the prompt's chunks to priority 0 when the request finishes. ``finish`` holds a
-retention per way the engine can end a request (``stop``: an end-of-sequence token or a
-stop string, ``length``: ``max_tokens`` or the model's length, ``abort``: the client left or
-an error); the one for how it ended is set on the request's chunks when it finishes, where it
-is stronger than what they hold (the router sets it for a session's turn). The engine cannot
-tell a tool call from an end of turn (both end on a stop token) unless it is told what starts
-one: with ``tool_call_tokens`` (the model's tool-call marker, e.g. Qwen's ``<tool_call>``),
-an answer whose generated tokens contain one of them ended in ``tool_calls``, and that
-entry is set instead of ``stop``'s or ``length``'s. Everything is checked
-here (the connector and the router parse the same way) and bounded: at most
-``MAX_RANGES`` ranges, priorities 0-100, durations in (0, ``MAX_RETAIN_S``] seconds.
+retention per way the engine can end a request (``stop``: an end-of-sequence or stop token,
+``length``: ``max_tokens`` or the model's length, ``abort``: the client left, an error, or a
+stop *string*, which vLLM 0.32 ends by aborting the request); the one for how it ended is
+set on the request's chunks when it finishes, where it is stronger than what they hold (the
+router sets it for a session's turn). The engine cannot tell a tool call from an end of turn
+(both end on a stop token) unless it is told what starts one: with ``tool_call_tokens`` (the
+model's tool-call marker, e.g. Qwen's ``<tool_call>``), an answer whose generated tokens
+contain one of them ended in ``tool_calls``, however the engine ended it (a tool call often
+ends on a stop string), and that entry is set instead. Everything is checked here (the
+connector and the router parse the same way) and bounded: at most ``MAX_RANGES`` ranges,
+priorities 0-100, durations in (0, ``MAX_RETAIN_S``] seconds.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ finish), and ``n`` ranges make at most ``2n + 1`` runs: 17."""
 Priority = Annotated[int, Meta(ge=0, le=100)]
 Duration = Annotated[float, Meta(gt=0.0, le=MAX_RETAIN_S)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 40)]
-TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 ChunkRetention = tuple[int, float | None]
 """A chunk's priority and duration in seconds (``None``: until changed)."""
 
@@ -130,12 +130,18 @@ class FinishRetention(ConfigStruct, frozen=True):
     abort: Retain | None = None
     tool_calls: Retain | None = None
     """For an answer whose generated tokens hold one of ``tool_call_tokens``."""
-    tool_call_tokens: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_TOOL_CALL_TOKENS)] = ()
+    tool_call_tokens: tuple[int, ...] = ()
     """Token ids that start a tool call in the model's answers (e.g. Qwen's ``<tool_call>``):
-    how the connector tells a tool call from an end of turn."""
+    how the connector tells a tool call from an end of turn. At most 16, each in
+    [0, 2^31)."""
 
     def __post_init__(self) -> None:
-        if self.tool_calls is not None and not self.tool_call_tokens:
+        ids = self.tool_call_tokens
+        if len(ids) > MAX_TOOL_CALL_TOKENS or not all(0 <= t < 1 << 31 for t in ids):
+            shown = list(ids[:MAX_TOOL_CALL_TOKENS + 1])
+            raise ConfigError(f"tool_call_tokens: expected at most {MAX_TOOL_CALL_TOKENS} "
+                              f"token ids, each in [0, 2^31), got {len(ids)}: {shown}")
+        if self.tool_calls is not None and not ids:
             raise ConfigError("tool_calls needs tool_call_tokens: the token ids that start a "
                               "tool call in the model's answers (the engine cannot tell a "
                               "tool call from an end of turn otherwise)")
@@ -143,10 +149,10 @@ class FinishRetention(ConfigStruct, frozen=True):
     def of(self, reason: str | None, generated: Iterable[int] = ()) -> Retain | None:
         """The retention for ``reason`` (one of :data:`FINISH_REASONS`), if any; for
         ``tool_calls``'s when the answer (its ``generated`` token ids) holds a tool-call
-        token and did not abort."""
+        token, however it ended."""
         if reason not in FINISH_REASONS:
             return None
-        if self.tool_calls is not None and reason != "abort" and self.is_tool_call(generated):
+        if self.tool_calls is not None and self.is_tool_call(generated):
             return self.tool_calls
         retain: Retain | None = getattr(self, reason)
         return retain

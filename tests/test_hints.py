@@ -131,9 +131,10 @@ def test_a_finish_retention_per_reason_is_parsed_and_checked() -> None:
 
 
 def test_an_answer_that_holds_a_tool_call_token_ended_in_tool_calls() -> None:
-    """With ``tool_call_tokens`` the engine tells a tool call from an end of turn: a stop or
-    length whose generated tokens hold a marker takes ``tool_calls``'s retention, one
-    without takes its own; an abort is never a tool call; no marker list, no tool calls."""
+    """With ``tool_call_tokens`` the engine tells a tool call from an end of turn: an answer
+    whose generated tokens hold a marker takes ``tool_calls``'s retention however it ended
+    (a stop string ends it as an abort in vLLM 0.32), one without takes its reason's; no
+    marker list, no tool calls."""
     from kvtier.hints import FinishRetention, Retain
     from kvtier.vllm.config import RequestOptions
 
@@ -147,6 +148,16 @@ def test_an_answer_that_holds_a_tool_call_token_ended_in_tool_calls() -> None:
     assert finish.of("length", iter([7])) == Retain(80, 20.0)
     assert finish.of("stop", [3, 4, 5]) == Retain(40, 600.0)
     assert finish.of("length", [3]) is None
-    assert finish.of("abort", [7]) is None
+    assert finish.of("abort", [7]) == Retain(80, 20.0)
+    assert finish.of("abort", [3]) is None
     assert finish.of(None, [7]) is None
     assert FinishRetention(stop=Retain(40)).of("stop", [151657]) == Retain(40)
+
+
+@pytest.mark.parametrize("ids", [[-1], [1 << 31], list(range(17)), [True], [1.0], "7"])
+def test_bad_tool_call_tokens_are_refused_naming_what_is_allowed(ids: object) -> None:
+    from kvtier.config import parse
+    from kvtier.hints import FinishRetention
+
+    with pytest.raises(ConfigError, match="tool_call_tokens"):
+        parse(FinishRetention, {"tool_call_tokens": ids}, "finish")

@@ -15,9 +15,10 @@
 The engine cannot tell a tool call from an end of turn (both end on a stop token) unless it is
 told the model's tool-call marker, ``--session-tool-tokens`` (e.g. Qwen's ``<tool_call>``).
 Without one the router falls back to the session's previous answer: a session whose last
-answer called a tool gets the tool retention, while it runs and at its end. That guess is a
-loss on the public agent traces (docs/results/retention-agentic): an answer that ends a tool
-loop keeps a long context the user comes back to minutes later, so the router warns at start.
+answer called a tool gets the tool retention (as the request's ``retention``, which the
+connector sets while it runs and again at its end). The answer that ends a tool loop is kept
+too, and on the public agent traces that guess loses hits (docs/results/retention-agentic), so
+the router warns at start.
 The connector sets a finish retention with ``keep_stronger`` (:mod:`kvtier.hints`), so no
 retention of another session on a shared prefix is lowered, and it expires lazily in the
 store: an idle session (no request for --session-idle-s) needs nothing sent.
@@ -214,9 +215,8 @@ class Sessions:
         retain = tool if after_tool else turn
         if retain is None:
             return self._nothing(cfg.tool_priority if after_tool else cfg.turn_priority)
-        options = self._options(body, options)
-        options["retention"] = retain
-        options["finish"] = {"stop": retain, **({"length": turn} if turn else {})}
+        # the request's retention is set again when it ends (durations from then): no finish
+        self._options(body, options)["retention"] = retain
         stamp_tenant(body, tenant)
         self._metrics.session_retentions.labels(TOOL_CALLS if after_tool else "turn").inc()
         return True

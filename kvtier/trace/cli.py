@@ -97,10 +97,12 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
                    help="hit ratio an admission rule may cost (default 0.01 = 1 point)")
     p.add_argument("--hints", default="trace", metavar="SOURCE",
                    help="retention hints: trace (its own fields), none, session[:TOOL_S,"
-                        "STOP_S[,STOP_PRIORITY]] (the router's, from each answer's stop reason: "
-                        "default 80 for 120 s after tool calls, 50 for 600 s after an end of "
-                        "turn), router:TTL (retain after tool calls for TTL s), continues:T "
-                        "(oracle: the session's next request within T s)")
+                        "STOP_S[,STOP_PRIORITY]] (the router's with --session-tool-tokens, set "
+                        "when each answer ends by its stop reason: default 80 for 20 s after "
+                        "tool calls, nothing after an end of turn), session-prev[:...] (the "
+                        "router's without them: by the previous answer), router:TTL (retain "
+                        "after tool calls for TTL s), continues:T (oracle: the session's next "
+                        "request within T s)")
     p.add_argument("--hint-priority", type=int, default=HINT_PRIORITY,
                    help=f"priority derived hints retain at (after tool calls with session; "
                         f"default {HINT_PRIORITY})")

@@ -22,6 +22,8 @@ simulate`` replays them through the store's placement core. Sources (``--hints``
                        what the router sets without the tool-call tokens: the engine cannot
                        tell an answer's kind, so a request gets what its session's previous
                        answer earned, while it runs and again when it ends
+                       An ``end`` in the trace stands for the client's own release (the
+                       router sends nothing when a session ends)
     continues:T        an oracle: a request whose session's next request comes within T s
                        is retained for T s; one whose session does not continue within T is
                        released (what the bound "oracle-which" knows, delivered through the
@@ -39,7 +41,12 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.policies.retention import MAX_RETAIN_S, check_duration, check_priority
+from kvtier.policies.retention import (
+    DEFAULT_PRIORITY,
+    MAX_RETAIN_S,
+    check_duration,
+    check_priority,
+)
 from kvtier.trace.formats import Request
 
 HINT_PRIORITY = 80
@@ -152,14 +159,19 @@ def session_hints(requests: Sequence[Request], hints: SessionHints,
     for r, session in zip(requests, sessions(requests), strict=True):
         now = _earned(r.stop_reason, hints)
         if at_finish:
-            out.append(dataclasses.replace(r, retention=None, finish=None if r.end else now))
-        else:
-            before = earned.get(session)
-            out.append(dataclasses.replace(r, retention=before,
-                                           finish=None if r.end else before))
+            out.append(dataclasses.replace(r, retention=None,
+                                           finish=None if r.end else _sent(now)))
+        else:  # the router sends it as the request's retention, set again at its end
+            out.append(dataclasses.replace(r, retention=_sent(earned.get(session)),
+                                           finish=None))
         if now is not None:
             earned[session] = now
     return out
+
+
+def _sent(retention: tuple[int, float] | None) -> tuple[int, float] | None:
+    """What the router sends for ``retention``: nothing at or below the default."""
+    return retention if retention is not None and retention[0] > DEFAULT_PRIORITY else None
 
 
 def _earned(stop: str | None, hints: SessionHints) -> tuple[int, float] | None:

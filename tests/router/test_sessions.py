@@ -52,9 +52,10 @@ async def ask(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 
 def test_a_tool_loop_keeps_its_prefix_high_then_soft_when_the_turn_ends() -> None:
-    """Turn 1 (a fresh session) gets the soft turn retention; its streamed answer calls a
-    tool, so turn 2 gets the short high one, set again when it ends; turn 2's whole answer
-    ends the turn, so turn 3 is soft again. ``length`` always falls back to the soft one."""
+    """Without tool-call tokens: turn 1 (a fresh session) gets the soft turn retention; its
+    streamed answer calls a tool, so turn 2 gets the short high one (the connector sets a
+    request's retention again when it ends); turn 2's whole answer ends the turn, so turn 3
+    is soft again."""
 
     async def main() -> None:
         async with stubs(1) as (backend,), running_router(router_config(
@@ -63,12 +64,10 @@ def test_a_tool_loop_keeps_its_prefix_high_then_soft_when_the_turn_ends() -> Non
             who = {"X-Session-Id": "agent-7"}
             backend.finish_reason = "tool_calls"
             assert await ask(http, url, completion("p", stream=True), who) == 200
-            assert sent(backend) == {"retention": TURN, "finish": {"stop": TURN,
-                                                                    "length": TURN}}
+            assert sent(backend) == {"retention": TURN}  # set again when it ends
             backend.finish_reason = "stop"
             assert await ask(http, url, completion("p more"), who) == 200
-            assert sent(backend) == {"retention": TOOL, "finish": {"stop": TOOL,
-                                                                    "length": TURN}}
+            assert sent(backend) == {"retention": TOOL}
             assert await ask(http, url, completion("p more more", stream=True), who) == 200
             assert sent(backend)["retention"] == TURN  # type: ignore[index]
             assert sample(router, "kvtier_router_sessions_retentions_total",
@@ -127,9 +126,6 @@ def test_the_clients_retention_and_the_tenants_cap_win(tmp_path: Path) -> None:
                                      "tenant": "capped"}
             await ask(http, url, completion(), capped)  # after a tool call: 80, capped
             assert sent(backend) == {"retention": {"priority": 60, "duration_s": 120.0},
-                                     "finish": {"stop": {"priority": 60, "duration_s": 120.0},
-                                                "length": {"priority": 50,
-                                                           "duration_s": 600.0}},
                                      "tenant": "capped"}
             own = {"kvtier": {"finish": {"stop": {"priority": 100, "duration_s": 9}}}}
             await ask(http, url, completion(kv_transfer_params=own), capped)
@@ -318,7 +314,7 @@ def test_told_the_tool_call_tokens_the_router_asks_for_a_retention_per_kind_of_a
     """With --session-tool-tokens every session request carries ``finish`` only (the answer's
     kind is known when it ends, not before: no retention while it runs): ``tool_calls`` with
     the markers, the turn's for ``stop`` and ``length`` when one is set; the defaults set
-    none after an end of turn. The tenant's cap applies; without markers the router warns."""
+    none after an end of turn. Without markers the router warns."""
     tools = SessionConfig(retain=True, tool_tokens=(151657,))
 
     async def main() -> None:
@@ -354,6 +350,43 @@ def test_told_the_tool_call_tokens_the_router_asks_for_a_retention_per_kind_of_a
     asyncio.run(with_turn())
     asyncio.run(_without_markers_warns())
     assert "--session-tool-tokens" in caplog.text
+
+
+def test_with_tool_call_tokens_the_tenants_cap_lowers_what_the_router_asks(
+        tmp_path: Path) -> None:
+    """A tenant capped at 60 gets ``tool_calls`` at 60; one capped at the default gets nothing
+    (``capped``); a client's own ``finish.tool_calls`` is capped the same way and passes
+    with its own tokens, the router adding nothing."""
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": {
+        "sixty": {"api_keys": ["sixty-key-0123456789"], "max_priority": 60},
+        "flat": {"api_keys": ["flat-key-0123456789"], "max_priority": 35}}}))
+    path.chmod(0o600)
+    tenants = load_tenants(str(path), None, None)
+    tools = SessionConfig(retain=True, tool_tokens=(151657,))
+
+    async def main() -> None:
+        async with stubs(1) as (backend,), running_router(router_config(
+                [backend], sessions=tools, tenants=tenants)) as router, \
+                aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            sixty = {"Authorization": "Bearer sixty-key-0123456789", "X-Session-Id": "s"}
+            assert await ask(http, url, completion(), sixty) == 200
+            assert sent(backend) == {"finish": {
+                "tool_calls": {"priority": 60, "duration_s": 20.0},
+                "tool_call_tokens": [151657]}, "tenant": "sixty"}
+            own = {"kvtier": {"finish": {"tool_calls": {"priority": 99, "duration_s": 5},
+                                         "tool_call_tokens": [7]}}}
+            assert await ask(http, url, completion(kv_transfer_params=own), sixty) == 200
+            assert sent(backend) == {"finish": {"tool_calls": {"priority": 60, "duration_s": 5},
+                                                "tool_call_tokens": [7]}, "tenant": "sixty"}
+            flat = {"Authorization": "Bearer flat-key-0123456789", "X-Session-Id": "f"}
+            assert await ask(http, url, completion(), flat) == 200
+            assert sent(backend) is None
+            assert sample(router, "kvtier_router_sessions_retentions_total",
+                          reason="capped") == 1
+
+    asyncio.run(main())
 
 
 async def _without_markers_warns() -> None:

@@ -155,9 +155,10 @@ def test_simulate_hints_from_the_command_line(tmp_path: Path) -> None:
 def test_the_session_source_sets_at_finish_what_the_stop_reason_earns() -> None:
     """One session: a tool call, a lost stop reason, an end of turn, a tool call that ends
     it. ``session`` (the router told the tool-call tokens) sets nothing while a request runs
-    and, at finish, what its own answer earns; ``session-prev`` (without them) gives each
-    request what the previous answer earned, while it runs and at finish. A lost stop reason
-    changes nothing; the end releases."""
+    and, at finish, what its own answer earns (nothing at the default); ``session-prev``
+    (without them) gives each request what the previous answer earned as its retention (set
+    while it runs and again at its end). A lost stop reason changes nothing; the end
+    releases."""
     s = "a"
     reqs = [Request(0, BT, 0, (1,), BT, session=s, stop_reason="tool_use"),
             Request(5, BT, 0, (1, 2), BT, session=s),
@@ -167,11 +168,11 @@ def test_the_session_source_sets_at_finish_what_the_stop_reason_earns() -> None:
     hinted = apply_hints(reqs, "session")
     assert [(r.retention, r.finish, r.end) for r in hinted] == [
         (None, (80, 20.0), False), (None, None, False),
-        (None, (35, 600.0), False), (None, None, True)]
+        (None, None, False), (None, None, True)]  # an end of turn earns the default: none
     prev = apply_hints(reqs, "session-prev:120,600,50")
     assert [(r.retention, r.finish, r.end) for r in prev] == [
-        (None, None, False), ((80, 120.0), (80, 120.0), False),
-        ((80, 120.0), (80, 120.0), False), ((50, 600.0), None, True)]
+        (None, None, False), ((80, 120.0), None, False),
+        ((80, 120.0), None, False), ((50, 600.0), None, True)]
     tuned = apply_hints(reqs, "session:30,900,40", priority=90)
     assert [r.finish for r in tuned] == [(90, 30.0), None, (40, 900.0), None]
     assert [(r.retention, r.finish) for r in apply_hints(hinted, "none")] == [(None, None)] * 4
