@@ -13,7 +13,10 @@ priority present first, so a chunk at priority 80 outlives any number of chunks 
 A priority may come with a deadline (``until``, on the policy's ``clock``): past it, the key
 falls back to the default priority, entering that bucket as if stored then. Expiry is lazy:
 deadlines wait in a heap, and the ones due are applied where a victim is chosen or a priority
-read, so its cost is O(log n) per deadline set, never a scan of the keys.
+read, so its cost is O(log n) per deadline set, never a scan of the keys. So a guess (the
+next use comes within D seconds) is a soft, expiring bonus when it is a short retention: under
+LRU a key retained above the default for D seconds at time t leaves, among the keys at the
+default, where one last used at t + D would; a long one over-protects.
 
 ``evict(n, protected)`` is all-or-nothing: it returns exactly ``n`` victims, or ``None`` and
 changes nothing. Keys for which ``protected(key)`` is true (leased, being written or read)
