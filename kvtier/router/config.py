@@ -164,6 +164,9 @@ class RouterConfig:
 
 def _sessions(args: argparse.Namespace) -> SessionConfig:
     if not getattr(args, "session_retention", False):
+        if getattr(args, "session_tool_tokens", ""):
+            raise ConfigError("--session-tool-tokens needs --session-retention: without it the "
+                              "router sets no retention for sessions")
         return SessionConfig()
     return SessionConfig(
         retain=True, end_header=args.session_end_header, max_sessions=args.max_sessions,

@@ -266,6 +266,8 @@ def test_session_options_from_the_command_line() -> None:
     assert config.sessions == SessionConfig(retain=True, max_sessions=50, tool_s=30.0,
                                             turn_priority=40, end_header="X-Done",
                                             tool_tokens=(151657, 7))
+    with pytest.raises(ConfigError, match="--session-tool-tokens needs --session-retention"):
+        RouterConfig.from_args(parser.parse_args([*base, "--session-tool-tokens", "151657"]))
     for bad in ("<tool_call>", "-1", ",".join(["1"] * 17)):
         with pytest.raises(ConfigError, match="--session-tool-tokens"):
             RouterConfig.from_args(parser.parse_args(
