@@ -56,8 +56,8 @@ class Request:
     """Why the answer ended (``tool_calls``, ``stop``, ...), when the trace says."""
     finish: tuple[int, float | None] | None = None
     """A hint set once the answer is known (the router's, from its stop reason): the whole
-    prompt is moved to it, replacing what its blocks hold. Derived by ``--hints``, not
-    read from a trace file."""
+    prompt is set to it where that is stronger than what its blocks hold. Derived by
+    ``--hints``, not read from a trace file."""
 
     @property
     def full_blocks(self) -> int:

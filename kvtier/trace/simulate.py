@@ -33,8 +33,8 @@ lands each step's I/O when it ends. Per request with blocks ``b0 .. bn-1``, in t
                ``set_priority``: its stored blocks enter every tier at it, and once it is
                answered its whole prompt is set to it again, tail first, the duration
                counted from its arrival (a trace's clock); an end releases the prompt
-               (priority 0). A retention set at finish (``finish``, the router's) moves
-               the whole prompt to it instead, replacing what it holds. Deadlines are
+               (priority 0). A retention set at finish (``finish``, the router's) is set
+               instead, where it is stronger than what a block holds. Deadlines are
                read on the trace's clock. A promoted block keeps the retention of the
                tier it came from, a stored one the higher of the request's and a lower
                tier's, a copy down its host block's; a write-back victim goes down at
@@ -225,44 +225,36 @@ class Simulator:
         return self.now
 
     def _hint(self, request: Request) -> None:
-        if request.retention is None:
-            return
-        priority, duration = request.retention
-        self.priority = priority
-        self.until = None if duration is None or priority == DEFAULT_PRIORITY else (
-            self.now + duration)
+        if request.retention is not None:
+            self.priority, self.until = self._from_now(*request.retention)
 
     def _answered(self, request: Request) -> None:
         """The connector's ``set_priority`` once the request is answered (tail first): its
-        whole prompt released, or at its retention where that is stronger than what a block
-        holds (``keep_stronger``: another request's longer retention stays)."""
-        if request.finish is not None and not request.end:
-            self._finished(request.blocks, *request.finish)
-            return
-        wanted = (MIN_PRIORITY, None) if request.end else (self.priority, self.until)
+        whole prompt released; or the retention for how it ended (``finish``), else its own
+        retention, where that is stronger than what a block holds (``keep_stronger``:
+        another request's longer retention stays)."""
+        if request.end:
+            for tier in self.tiers:
+                tier.books.set_priorities(list(request.blocks), MIN_PRIORITY, None)
+        elif request.finish is not None:
+            self._keep_stronger(request.blocks, self._from_now(*request.finish))
+        else:
+            self._keep_stronger(request.blocks, (self.priority, self.until))
+        self.priority, self.until = DEFAULT_PRIORITY, None
+
+    def _from_now(self, priority: int, duration: float | None) -> Held:
+        """A retention of ``duration`` seconds from now, as (priority, deadline)."""
+        return priority, (None if duration is None or priority == DEFAULT_PRIORITY
+                          else self.now + duration)
+
+    def _keep_stronger(self, blocks: tuple[BlockId, ...], wanted: Held) -> None:
+        """``blocks`` to ``wanted`` in every tier (tail first), where it is stronger than what
+        a block holds."""
         stronger = _lasting(wanted)
         for tier in self.tiers:
             policy = tier.books.policy
-            blocks = list(request.blocks) if request.end else [
-                b for b in request.blocks
-                if (held := policy.retention(b)) is not None and _lasting(held) < stronger]
-            tier.books.set_priorities(blocks, *wanted)
-        self.priority, self.until = DEFAULT_PRIORITY, None
-
-    def _finished(self, blocks: tuple[BlockId, ...], priority: int,
-                  duration: float | None) -> None:
-        """The connector's ``set_priority`` of the retention for how the answer ended
-        (``finish``), tail first, where it is stronger than what a block holds
-        (``keep_stronger``, as for a request's own retention)."""
-        until = None if duration is None or priority == DEFAULT_PRIORITY else (
-            self.now + duration)
-        wanted = _lasting((priority, until))
-        for tier in self.tiers:
-            policy = tier.books.policy
             tier.books.set_priorities([b for b in blocks if (held := policy.retention(b))
-                                       is not None and _lasting(held) < wanted],
-                                      priority, until)
-        self.priority, self.until = DEFAULT_PRIORITY, None
+                                       is not None and _lasting(held) < stronger], *wanted)
 
     def _servable(self, block: Hashable) -> str | None:
         """The store's predicate with every step's I/O landed: host, else a lower tier."""
