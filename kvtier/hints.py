@@ -136,12 +136,8 @@ class FinishRetention(ConfigStruct, frozen=True):
     [0, 2^31)."""
 
     def __post_init__(self) -> None:
-        ids = self.tool_call_tokens
-        if len(ids) > MAX_TOOL_CALL_TOKENS or not all(0 <= t < 1 << 31 for t in ids):
-            shown = list(ids[:MAX_TOOL_CALL_TOKENS + 1])
-            raise ConfigError(f"tool_call_tokens: expected at most {MAX_TOOL_CALL_TOKENS} "
-                              f"token ids, each in [0, 2^31), got {len(ids)}: {shown}")
-        if self.tool_calls is not None and not ids:
+        check_tool_call_tokens(self.tool_call_tokens, "tool_call_tokens")
+        if self.tool_calls is not None and not self.tool_call_tokens:
             raise ConfigError("tool_calls needs tool_call_tokens: the token ids that start a "
                               "tool call in the model's answers (the engine cannot tell a "
                               "tool call from an end of turn otherwise)")
@@ -161,6 +157,15 @@ class FinishRetention(ConfigStruct, frozen=True):
         """Whether ``generated`` holds one of ``tool_call_tokens`` (one pass)."""
         marks = frozenset(self.tool_call_tokens)
         return bool(marks) and not marks.isdisjoint(generated)
+
+
+def check_tool_call_tokens(ids: tuple[int, ...], where: str) -> None:
+    """ConfigError naming ``where`` unless ``ids`` are at most ``MAX_TOOL_CALL_TOKENS`` token
+    ids, each in [0, 2^31)."""
+    if len(ids) > MAX_TOOL_CALL_TOKENS or not all(0 <= t < 1 << 31 for t in ids):
+        shown = list(ids[:MAX_TOOL_CALL_TOKENS + 1])
+        raise ConfigError(f"{where}: expected at most {MAX_TOOL_CALL_TOKENS} token ids, each "
+                          f"in [0, 2^31), got {len(ids)}: {shown}")
 
 
 def _rank(priority: int, duration_s: float | None) -> tuple[int, float]:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.hints import MAX_TOOL_CALL_TOKENS
+from kvtier.hints import check_tool_call_tokens
 from kvtier.policies.retention import DEFAULT_PRIORITY, MAX_RETAIN_S
 from kvtier.router.finish import TOOL_CALLS
 from kvtier.router.metrics import RouterMetrics
@@ -96,11 +96,7 @@ class SessionConfig:
                                  ("--session-turn-priority", self.turn_priority)):
             if not 0 <= priority <= 100:
                 raise ConfigError(f"{option}: must be an integer in [0, 100], got {priority}")
-        if len(self.tool_tokens) > MAX_TOOL_CALL_TOKENS or not all(
-                0 <= t < 1 << 31 for t in self.tool_tokens):
-            raise ConfigError(f"--session-tool-tokens: expected at most "
-                              f"{MAX_TOOL_CALL_TOKENS} token ids in [0, 2^31), got "
-                              f"{list(self.tool_tokens)}")
+        check_tool_call_tokens(self.tool_tokens, "--session-tool-tokens")
         if not 1 <= self.prefix_messages <= 64:
             raise ConfigError(f"--session-prefix-messages: must be in [1, 64], got "
                               f"{self.prefix_messages}")
