@@ -32,6 +32,18 @@ def sent(backend: StubBackend, i: int = -1) -> dict[str, Any] | None:
     return params.get("kvtier")
 
 
+def tenants_with(tmp_path: Path, **caps: int | None) -> Any:
+    """Tenants from a file: each name's API key is ``NAME-key-0123456789``, its
+    max_priority the given cap (None: none)."""
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": {
+        name: {"api_keys": [f"{name}-key-0123456789"],
+               **({} if cap is None else {"max_priority": cap})}
+        for name, cap in caps.items()}}))
+    path.chmod(0o600)
+    return load_tenants(str(path), None, None)
+
+
 def sample(router: Any, name: str, **labels: str) -> float:
     return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -106,12 +118,7 @@ def test_the_clients_retention_and_the_tenants_cap_win(tmp_path: Path) -> None:
     """A client's own retention goes through (capped, as any), with nothing added; the
     router's own priorities are capped at the tenant's max_priority; a cap at the default
     leaves nothing to set."""
-    path = tmp_path / "tenants.json"
-    path.write_text(json.dumps({"tenants": {
-        "capped": {"api_keys": ["capped-key-0123456789"], "max_priority": 60},
-        "plain": {"api_keys": ["plain-key-0123456789"]}}}))
-    path.chmod(0o600)
-    tenants = load_tenants(str(path), None, None)
+    tenants = tenants_with(tmp_path, capped=60, plain=None)
 
     async def main() -> None:
         async with stubs(1, finish_reason="tool_calls") as (backend,), running_router(
@@ -282,12 +289,7 @@ def test_one_tenants_many_sessions_never_push_out_anothers(tmp_path: Path) -> No
     """Each tenant has its own table of --max-sessions: a tenant cycling session ids pushes
     out its own, and another tenant's session is still known after (its tool loop still
     gets the tool call's retention)."""
-    path = tmp_path / "tenants.json"
-    path.write_text(json.dumps({"tenants": {
-        "noisy": {"api_keys": ["noisy-key-0123456789"], "max_priority": 90},
-        "quiet": {"api_keys": ["quiet-key-0123456789"], "max_priority": 90}}}))
-    path.chmod(0o600)
-    tenants = load_tenants(str(path), None, None)
+    tenants = tenants_with(tmp_path, noisy=90, quiet=90)
 
     async def main() -> None:
         config = SessionConfig(retain=True, max_sessions=8, tool_s=120.0)
@@ -359,12 +361,7 @@ def test_with_tool_call_tokens_the_tenants_cap_lowers_what_the_router_asks(
     """A tenant capped at 60 gets ``tool_calls`` at 60; one capped at the default gets nothing
     (``capped``); a client's own ``finish.tool_calls`` is capped the same way and passes
     with its own tokens, the router adding nothing."""
-    path = tmp_path / "tenants.json"
-    path.write_text(json.dumps({"tenants": {
-        "sixty": {"api_keys": ["sixty-key-0123456789"], "max_priority": 60},
-        "flat": {"api_keys": ["flat-key-0123456789"], "max_priority": 35}}}))
-    path.chmod(0o600)
-    tenants = load_tenants(str(path), None, None)
+    tenants = tenants_with(tmp_path, sixty=60, flat=35)
     tools = SessionConfig(retain=True, tool_tokens=(151657,))
 
     async def main() -> None:
