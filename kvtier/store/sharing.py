@@ -105,8 +105,10 @@ class Sharing:
         self.tier: SharedTier = state.tier
         self.opts = state.tier.sharing
         self.server = server
-        self.apply = apply
+        self._store_apply = apply
         """The store's gate for every change of its books (:mod:`kvtier.store.locking`)."""
+        self._in_store = threading.local()
+        """Per I/O thread: seconds the running job spent in :meth:`apply`."""
         self.reading = reading
         self.on_sweep = on_sweep
         self.outbox: list[journal.Record] = []
@@ -288,9 +290,22 @@ class Sharing:
             if job.on_late is not None:
                 job.on_late()
 
+    def apply(self, section: str, change: Callable[[], T], *, wake: bool = False) -> T:
+        """Change the books through the store's gate, the time it took (waiting for the
+        store lock and holding it) kept apart: it is the store's time, not the backend's."""
+        start = time.perf_counter()
+        try:
+            return self._store_apply(section, change, wake=wake)
+        finally:
+            self._in_store.s = self._store_time() + time.perf_counter() - start
+
+    def _store_time(self) -> float:
+        return float(getattr(self._in_store, "s", 0.0))
+
     def _job(self, kind: str, fn: Callable[[], None], token: object
              ) -> Callable[[Job], None]:
         def run(_job: Job) -> None:
+            self._in_store.s = 0.0
             start = time.perf_counter()
             error = ""
             try:
@@ -301,8 +316,11 @@ class Sharing:
             finally:
                 self._free(kind, token)
             if kind not in ("sweep", "touch"):  # touches are counted one by one
+                # the breaker judges the backend: a wait for the store lock (held by a
+                # long batch of lookups) is not the tier being slow
+                took = time.perf_counter() - start - self._store_time()
                 self.apply("sharing", functools.partial(
-                    self.state.breaker.record, not error, time.perf_counter() - start, error))
+                    self.state.breaker.record, not error, max(took, 0.0), error))
         return run
 
     def _reject(self, what: str, count: int, why: str) -> None:

@@ -38,6 +38,7 @@ from kvtier.store import TieredStore, journal
 from kvtier.store.breaker import BreakerState
 from kvtier.store.changes import Origin
 from kvtier.store.housekeeping import probe_key, probe_tier
+from kvtier.store.iopool import Job
 from kvtier.store.records import ItemState
 from kvtier.store.sharing import MAX_TO_TOUCH, TOUCH_BATCH, Sharing
 from kvtier.store.sweeper import heartbeats, sweep, sweeper_of
@@ -310,6 +311,38 @@ def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
     assert wait_until(lambda: slow.touched == TOUCH_BATCH, 10.0)
     settle(store)
     assert state.breaker.state is BreakerState.CLOSED, "each touch is its own operation"
+
+
+def test_a_job_that_waits_for_the_store_lock_is_not_a_slow_backend(
+        tmp_path: Path, make_store: MakeStore) -> None:
+    """The breaker judges the backend: a job kept waiting by a long hold of the store lock
+    (a big batch of lookups) is not the tier being slow; a slow backend still is."""
+    tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
+            "breaker": {"errors": 1, "error_ratio": 0.0, "latency_budget_s": 1.0},
+            "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
+    store = make_store(tmp_path / "a", tiers=[tier])
+    store.rebuild()
+    state = store.tiers[0]
+    sharing = sharing_of(store)
+    held = threading.Event()
+
+    def hold() -> None:
+        with store._locked("test"):
+            held.set()
+            time.sleep(2.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(5.0)
+    waits = sharing._job("poll", lambda: sharing.apply("test", lambda: None), object())
+    started = time.monotonic()
+    waits(Job(waits, None, None, started))
+    holder.join()
+    assert time.monotonic() - started > 1.0, "the job did wait out the hold"
+    assert state.breaker.state is BreakerState.CLOSED, "a wait for the lock is the store's"
+    slow = sharing._job("poll", lambda: time.sleep(1.2), object())
+    slow(Job(slow, None, None, time.monotonic()))
+    assert state.breaker.state is BreakerState.OPEN, "a slow backend opens the breaker"
 
 
 class FlakyNotesFs(FsTier):
