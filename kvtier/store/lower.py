@@ -240,13 +240,15 @@ class LowerTierState:
     def set_priorities(self, keys: Sequence[ChunkKey], priority: int,
                        until: float | None = None) -> None:
         """Re-prioritise the held chunks of ``keys`` (a chain, head first); each is
-        announced as retained here, tail first (a shared tier's peers keep it too)."""
+        announced as retained here, tail first (a shared tier's peers keep it too). A peer's
+        booking is retained here but not announced: this server never read it, and does not
+        pass a peer's claim on under its own name."""
         self.books.set_priorities(keys, priority, until)
         if not self.listeners:
             return
         for key in reversed(keys):
             size = self.books.sizes.get(key)
-            if size is not None:
+            if size is not None and key not in self.books.bookings:
                 self._announce(Change.RETAINED, Origin.HERE, key, self.namespaces[key], size,
                                priority, until)
 

@@ -154,6 +154,34 @@ def test_retained_phantoms_cannot_evict_what_was_verified(servers: Servers) -> N
     victim.check_integrity()
 
 
+def test_a_retention_here_does_not_vouch_for_a_peers_unverified_bookings(
+        servers: Servers) -> None:
+    """A chain retained here that holds chunks only booked on a peer's word (never read
+    here) publishes the retention of the chunks this server holds, not of the bookings: a
+    hostile peer's claims are not passed on under this server's name."""
+    reader = servers("r")
+    other = servers("o")
+    real = keys(2, "real")
+    store_chunks(reader, real)
+    settle(reader)
+    size = reader.tiers[0].fits_slot
+    booked = phantoms(2)
+    note = put_journal(reader, [["+", NS, k, size] for k in booked])
+    assert wait_until(lambda: applied(reader, note) and applied(other, note), 10.0)
+    assert all(k in reader.tiers[0].bookings for k in booked)
+    reader.set_priority(real + booked, 70, 60.0)
+
+    def retained() -> bool:
+        return all((h := held(other, k)) is not None and h[0] == 70 for k in real)
+
+    assert wait_until(retained, 10.0), [held(other, k) for k in real]
+    time.sleep(0.3)  # a few more journal rounds
+    assert [held(other, k) for k in booked] == [(35, None)] * 2, "the bookings stay the peer's"
+    assert all(other.tiers[0].bookings.peer_of.get(k) == "e" * 16 for k in booked)
+    assert all((h := held(reader, k)) is not None and h[0] == 70 for k in booked), \
+        "kept here all the same"
+
+
 @FS_ONLY
 def test_the_note_mac_covers_the_retention(servers: Servers) -> None:
     """A signed note whose retention was changed after signing is refused whole."""
