@@ -237,12 +237,30 @@ class QuotaConfig(ConfigStruct, frozen=True):
             for tier in list(limits):
                 limits[tier] = parse_size(limits[tier], f"{where}.{tier}")
 
-    def check_tiers(self, names: set[str]) -> None:
+    def check_tiers(self, capacities: Mapping[str, int]) -> None:
+        """Refuse a quota in a tier that does not exist or beyond the tier's capacity (a
+        quota cannot grant more than the tier holds: leave the tier out for no limit)."""
+        names = sorted(capacities)
         for name, limits in [*self.tenants.items(), ("others", self.others)]:
-            unknown = set(limits) - names
+            unknown = set(limits) - set(names)
             if unknown:
                 raise ConfigError(f"retention_quotas: {name}: unknown tier(s) "
-                                  f"{sorted(unknown)}; allowed: {sorted(names)}")
+                                  f"{sorted(unknown)}; allowed: {names}")
+            for tier, limit in limits.items():
+                if limit > capacities[tier]:
+                    raise ConfigError(
+                        f"retention_quotas: {name}.{tier}: {limit} bytes is more than the "
+                        f"tier holds ({capacities[tier]} bytes); allowed: at most that, or "
+                        f"leave {tier} out for no limit")
+
+    def overcommitted(self, capacities: Mapping[str, int]) -> dict[str, int]:
+        """The tiers whose quotas together exceed their capacity, with that sum: there a
+        tenant's chunks retained within its quota may give way to another's, also within."""
+        total: dict[str, int] = {}
+        for limits in [*self.tenants.values(), self.others]:
+            for tier, limit in limits.items():
+                total[tier] = total.get(tier, 0) + int(limit)
+        return {tier: n for tier, n in total.items() if n > capacities.get(tier, n)}
 
 
 class ServerConfig(ConfigStruct, frozen=True):
@@ -298,7 +316,12 @@ class ServerConfig(ConfigStruct, frozen=True):
         if len(set(names)) != len(names):
             raise ConfigError(f"tiers: names must be unique, got {names}")
         if self.retention_quotas is not None:
-            self.retention_quotas.check_tiers({"arena", *names})
+            self.retention_quotas.check_tiers(self.capacities())
+
+    def capacities(self) -> dict[str, int]:
+        """Bytes each tier holds, by name (``arena`` and the lower tiers)."""
+        return {"arena": int(self.arena.size_bytes),
+                **{tier.name: int(tier.capacity_bytes) for tier in self.tiers}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:

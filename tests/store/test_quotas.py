@@ -3,6 +3,7 @@ never evicts another tenant's retained chunks."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -89,9 +90,27 @@ def test_quota_config_is_checked(tmp_path: Path) -> None:
     for quotas, word in (({"tenants": {"a": {"ssd": "1GiB"}}}, "unknown tier"),
                          ({"tenants": {"a": {"arena": "lots"}}}, "tenants.a.arena"),
                          ({"others": {"arena": -1}}, "others.arena"),
-                         ({"tenant": {}}, "tenant")):
+                         ({"tenant": {}}, "tenant"),
+                         ({"tenants": {"a": {"arena": "2GiB"}}},
+                          r"a\.arena: 2147483648 bytes is more than the tier holds "
+                          r"\(1073741824 bytes\); allowed: at most that, or leave arena out")):
         with pytest.raises(ConfigError, match=word):
             ServerConfig.from_dict({"retention_quotas": quotas})
+
+
+def test_quotas_that_add_up_to_more_than_a_tier_are_allowed_and_warned_of(
+        tmp_path: Path, make_store: MakeStore, caplog: pytest.LogCaptureFixture) -> None:
+    """Overcommitted quotas (tenants rarely pin at once) start, with a warning naming the
+    tier: there the isolation between tenants' retained chunks no longer holds."""
+    quotas = {"tenants": {"alice": {"arena": 8 * SLOT_BYTES, "disk": 4 * CHUNK_BYTES},
+                          "bob": {"arena": 8 * SLOT_BYTES}}}
+    with caplog.at_level(logging.WARNING, logger="kvtier.store"):
+        store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                           retention_quotas=quotas)
+    said = [r.getMessage() for r in caplog.records if "retention_quotas" in r.getMessage()]
+    assert len(said) == 1 and "tier arena add up to" in said[0], said
+    assert str(16 * SLOT_BYTES) in said[0]
+    store.check_integrity()
 
 
 @pytest.mark.parametrize("quotas", [
