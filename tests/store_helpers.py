@@ -81,7 +81,8 @@ def build_store(root: Path, *, slots: int = 6, disk_bytes: int | None = None,
                 free_target: float = 0.0, io_threads: int = 2,
                 disk_options: dict[str, Any] | None = None,
                 tiers: list[dict[str, Any]] | None = None,
-                retention_quotas: dict[str, Any] | None = None) -> TieredStore:
+                retention_quotas: dict[str, Any] | None = None,
+                slot_bytes: int = SLOT_BYTES) -> TieredStore:
     """A store with ``slots`` arena slots and, given ``disk_bytes``, a disk tier under root
     (or the lower ``tiers`` given)."""
     tiers = list(tiers or [])
@@ -90,7 +91,7 @@ def build_store(root: Path, *, slots: int = 6, disk_bytes: int | None = None,
         tiers.append({**tier, "io_threads": io_threads})
     config = ServerConfig.from_dict({
         "socket_path": str(root / "unused.sock"),
-        "arena": {"size_bytes": slots * SLOT_BYTES, "slot_bytes": SLOT_BYTES,
+        "arena": {"size_bytes": slots * slot_bytes, "slot_bytes": slot_bytes,
                   "free_target": free_target},
         "tiers": tiers,
         "lease_ttl_s": lease_ttl_s,

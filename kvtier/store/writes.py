@@ -266,11 +266,13 @@ class Writes:
                 retention: tuple[int, float | None]) -> tuple[int, float | None]:
         """The retention a copy of ``key`` from ``source`` keeps in ``state`` (None: the
         arena): the same, within the quota there of the tenant that pinned it, else the
-        default."""
+        default. The copy is charged ``size`` in a lower tier and a whole slot in the arena,
+        as a reservation is, whatever its stored size."""
         if retention[0] <= DEFAULT_PRIORITY or self.quotas is None or not self.quotas.active:
             return retention
         if state is None:
-            ok = self.quotas.carry(source, ARENA_TIER, key, size, self.index.pinned)
+            ok = self.quotas.carry(source, ARENA_TIER, key, self.index.arena.slot_bytes,
+                                   self.index.pinned)
         else:
             ok = self.quotas.carry(source, state.name, key, size, state.pinned)
         return retention if ok else (DEFAULT_PRIORITY, None)

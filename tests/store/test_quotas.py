@@ -7,7 +7,16 @@ import logging
 from pathlib import Path
 
 import pytest
-from store_helpers import CHUNK_BYTES, SLOT_BYTES, MakeStore, keys, sample, store_chunks
+from store_helpers import (
+    CHUNK_BYTES,
+    SLOT_BYTES,
+    MakeStore,
+    expected,
+    keys,
+    load,
+    sample,
+    store_chunks,
+)
 
 from kvtier.config import QuotaConfig, ServerConfig
 from kvtier.errors import ConfigError
@@ -180,6 +189,32 @@ def test_a_restored_chunk_takes_a_lower_tiers_pin_only_within_the_arena_quota(
     store.flush(5.0)
     assert pinned(store, alice) <= 2
     assert store.quotas.used("alice", "arena") <= 2 * SLOT_BYTES
+    store.check_integrity()
+
+
+def test_a_promotion_charges_the_arena_quota_a_slot(tmp_path: Path,
+                                                    make_store: MakeStore) -> None:
+    """Slots twice a chunk's stored size. Alice's 6 chunks are pinned on disk, 2 of them in
+    the arena (her quota there), until Bob's pins push them out. A load brings hers back
+    into the arena, each charged a whole slot: no more than her 2 slots are pinned again
+    (a charge by stored size let 4)."""
+    slot = 2 * SLOT_BYTES
+    quotas = {"tenants": {"alice": {"arena": 2 * slot, "disk": 10 * CHUNK_BYTES},
+                          "bob": {"arena": 12 * slot}},  # overcommitted: Bob takes all
+              "others": {"arena": 0, "disk": 0}}
+    store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
+                       retention_quotas=quotas, slot_bytes=slot)
+    alice = keys(6, "alice")
+    store_chunks(store, alice, priority=100, tenant="alice")
+    store.flush(5.0)
+    store.set_priority(alice, 100, tenant="alice")  # on disk all 6 fit her quota
+    assert pinned(store, alice, "disk") == 6 and pinned(store, alice) == 2
+    store_chunks(store, keys(12, "bob"), priority=100, tenant="bob")
+    store.flush(5.0)
+    assert not any(k in store.index.entries for k in alice)
+    assert load(store, alice).payloads == expected(alice)
+    assert pinned(store, alice) == 2
+    assert store.quotas.used("alice", "arena") == 2 * slot
     store.check_integrity()
 
 
