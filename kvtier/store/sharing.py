@@ -36,6 +36,7 @@ the lock for long; what fails is dropped and counted (``kvtier_untrusted_total``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -44,8 +45,8 @@ import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
-from typing import TypeVar
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import TypeVar, cast
 
 import msgspec
 
@@ -81,6 +82,8 @@ MAX_PAGES = 10
 """Listing pages one poll reads at most (each at most MAX_LISTED_NOTES names)."""
 
 T = TypeVar("T")
+X = TypeVar("X")
+_END = object()
 Untrusted = Callable[[str, str, int], None]
 """Told (tier, what, count) of untrusted input dropped."""
 Refused = Callable[[str, Limit, int], None]
@@ -105,10 +108,10 @@ class Sharing:
         self.tier: SharedTier = state.tier
         self.opts = state.tier.sharing
         self.server = server
-        self._store_apply = apply
+        self.apply = apply
         """The store's gate for every change of its books (:mod:`kvtier.store.locking`)."""
-        self._in_store = threading.local()
-        """Per I/O thread: seconds the running job spent in :meth:`apply`."""
+        self._waited = threading.local()
+        """Per I/O thread: seconds the running job spent in the tier's calls."""
         self.reading = reading
         self.on_sweep = on_sweep
         self.outbox: list[journal.Record] = []
@@ -290,23 +293,33 @@ class Sharing:
             if job.on_late is not None:
                 job.on_late()
 
-    def apply(self, section: str, change: Callable[[], T], *, wake: bool = False) -> T:
-        """Change the books through the store's gate, the time it took (waiting for the
-        store lock and holding it) kept apart: it is the store's time, not the backend's."""
+    @contextlib.contextmanager
+    def _backend(self) -> Iterator[None]:
+        """Time a call of the tier: what the breaker judges a job by (not the job's other
+        time: waiting for the store lock, opening and checking notes, a busy interpreter)."""
         start = time.perf_counter()
         try:
-            return self._store_apply(section, change, wake=wake)
+            yield
         finally:
-            self._in_store.s = self._store_time() + time.perf_counter() - start
+            self._waited.s = self._backend_time() + time.perf_counter() - start
 
-    def _store_time(self) -> float:
-        return float(getattr(self._in_store, "s", 0.0))
+    def _backend_time(self) -> float:
+        return float(getattr(self._waited, "s", 0.0))
+
+    def _timed(self, items: Iterable[X]) -> Iterator[X]:
+        """``items`` (a listing the tier pages lazily), each step of it timed as a call."""
+        it = iter(items)
+        while True:
+            with self._backend():
+                item = next(it, _END)
+            if item is _END:
+                return
+            yield cast(X, item)
 
     def _job(self, kind: str, fn: Callable[[], None], token: object
              ) -> Callable[[Job], None]:
         def run(_job: Job) -> None:
-            self._in_store.s = 0.0
-            start = time.perf_counter()
+            self._waited.s = 0.0
             error = ""
             try:
                 fn()
@@ -316,11 +329,8 @@ class Sharing:
             finally:
                 self._free(kind, token)
             if kind not in ("sweep", "touch"):  # touches are counted one by one
-                # the breaker judges the backend: a wait for the store lock (held by a
-                # long batch of lookups) is not the tier being slow
-                took = time.perf_counter() - start - self._store_time()
                 self.apply("sharing", functools.partial(
-                    self.state.breaker.record, not error, max(took, 0.0), error))
+                    self.state.breaker.record, not error, self._backend_time(), error))
         return run
 
     def _reject(self, what: str, count: int, why: str) -> None:
@@ -339,8 +349,10 @@ class Sharing:
         if not records:
             return
         name = journal.note_name(int(time.time() * 1000), self.server, next(self._seq))
+        data = self._sign(name, journal.encode(records))
         try:
-            self.tier.put_note(name, self._sign(name, journal.encode(records)))
+            with self._backend():
+                self.tier.put_note(name, data)
         except TierError:  # tried again next time (the tier may be back)
             self.apply("sharing", functools.partial(self._put_back, records))
             raise
@@ -371,7 +383,7 @@ class Sharing:
             self._relist(now_ms)
             return
         start = journal.start_after(self._cursor_ms - int(journal.SKEW_S * 1000))
-        for name in self.tier.iter_notes(journal.PREFIX, start, MAX_PAGES):
+        for name in self._timed(self.tier.iter_notes(journal.PREFIX, start, MAX_PAGES)):
             self._read_note(name, now_ms)
         floor = self._cursor_ms - 2 * int(journal.SKEW_S * 1000)
         self._seen = {n: ms for n, ms in self._seen.items() if ms >= floor}
@@ -397,7 +409,8 @@ class Sharing:
         """A peer's note, opened and validated outside the lock; [] for one deleted
         meanwhile (swept) or dropped as untrusted."""
         try:
-            data = self.tier.get_note(name)
+            with self._backend():
+                data = self.tier.get_note(name)
         except NoteTooLarge as exc:
             self._reject("note_too_large", 1, str(exc))
             return []
@@ -446,7 +459,7 @@ class Sharing:
     def _relist(self, now_ms: int) -> None:
         """Too far behind the journal: make the books match a fresh listing."""
         state = self.state
-        usable, odd = state.plausible_only(self.tier.scan())
+        usable, odd = state.plausible_only(self._timed(self.tier.scan()))
         found = sorted(usable, key=lambda c: c.mtime)
         self.apply("journal", functools.partial(state.count_implausible, len(odd)))
         listed = {c.key for c in found}
@@ -469,7 +482,9 @@ class Sharing:
         beat = {"t": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
                 "version": __version__}
         name = f"{SERVERS}{self.server}"
-        self.tier.put_note(name, self._sign(name, msgspec.msgpack.encode(beat)))
+        data = self._sign(name, msgspec.msgpack.encode(beat))
+        with self._backend():
+            self.tier.put_note(name, data)
 
     def _touch(self) -> None:
         """Refresh a batch of hits' recency in the backend, each touch one operation for the

@@ -313,10 +313,20 @@ def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
     assert state.breaker.state is BreakerState.CLOSED, "each touch is its own operation"
 
 
-def test_a_job_that_waits_for_the_store_lock_is_not_a_slow_backend(
+class SlowNotesFs(FsTier):
+    """A real fs tier whose note writes each take ``delay_s`` (a slow backend)."""
+
+    delay_s = 0.0
+
+    def put_note(self, name: str, data: bytes) -> None:
+        time.sleep(self.delay_s)
+        super().put_note(name, data)
+
+
+def test_the_breaker_judges_a_job_by_its_tier_calls_alone(
         tmp_path: Path, make_store: MakeStore) -> None:
-    """The breaker judges the backend: a job kept waiting by a long hold of the store lock
-    (a big batch of lookups) is not the tier being slow; a slow backend still is."""
+    """A job kept waiting by a long hold of the store lock (a big batch of lookups), or busy
+    between its calls of the tier, is not the tier being slow; a slow call of the tier is."""
     tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
             "breaker": {"errors": 1, "error_ratio": 0.0, "latency_budget_s": 1.0},
             "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
@@ -324,25 +334,33 @@ def test_a_job_that_waits_for_the_store_lock_is_not_a_slow_backend(
     store.rebuild()
     state = store.tiers[0]
     sharing = sharing_of(store)
+    slow = SlowNotesFs(state.name, state.config)
+    state.tier = sharing.tier = slow
     held = threading.Event()
 
     def hold() -> None:
         with store._locked("test"):
             held.set()
-            time.sleep(2.0)
+            time.sleep(3.0)
+
+    def beat_then_wait() -> None:
+        sharing._heartbeat()
+        time.sleep(1.2)  # busy between calls
+        sharing.apply("test", lambda: None)
 
     holder = threading.Thread(target=hold)
     holder.start()
     assert held.wait(5.0)
-    waits = sharing._job("poll", lambda: sharing.apply("test", lambda: None), object())
+    waits = sharing._job("heartbeat", beat_then_wait, object())
     started = time.monotonic()
     waits(Job(waits, None, None, started))
     holder.join()
-    assert time.monotonic() - started > 1.0, "the job did wait out the hold"
-    assert state.breaker.state is BreakerState.CLOSED, "a wait for the lock is the store's"
-    slow = sharing._job("poll", lambda: time.sleep(1.2), object())
-    slow(Job(slow, None, None, time.monotonic()))
-    assert state.breaker.state is BreakerState.OPEN, "a slow backend opens the breaker"
+    assert time.monotonic() - started > 2.0, "the job did wait out the hold"
+    assert state.breaker.state is BreakerState.CLOSED, "not the tier's time"
+    slow.delay_s = 1.2
+    beats = sharing._job("heartbeat", sharing._heartbeat, object())
+    beats(Job(beats, None, None, time.monotonic()))
+    assert state.breaker.state is BreakerState.OPEN, "a slow note write opens the breaker"
 
 
 class FlakyNotesFs(FsTier):
