@@ -98,6 +98,9 @@ class LowerTierState:
         """The listing at start failed: list the tier once its breaker closes again."""
         self.listeners: list[TierListener] = []
         """Told each change of what the tier holds (:meth:`subscribe`)."""
+        self._retained_here: dict[ChunkKey, tuple[int, float | None]] = {}
+        """Peers' bookings retained here, not yet announced (a subset of the bookings):
+        announced once a read or a listing confirms them."""
 
     def subscribe(self, listener: TierListener) -> None:
         """Tell ``listener`` every change of what the tier holds from now on."""
@@ -221,10 +224,12 @@ class LowerTierState:
         for raw in chosen:
             key = ChunkKey(raw)  # type: ignore[arg-type]
             namespace = self.namespaces.pop(key)
+            self._retained_here.pop(key, None)
             victims.append((key, namespace))
             self._announce(Change.REMOVED, Origin.HERE, key, namespace)
         for raw in forgot:
             key = ChunkKey(raw)  # type: ignore[arg-type]
+            self._retained_here.pop(key, None)
             self._announce(Change.REMOVED, Origin.HERE, key, self.namespaces.pop(key))
         return Room(victims, len(forgot))
 
@@ -241,16 +246,23 @@ class LowerTierState:
                        until: float | None = None) -> None:
         """Re-prioritise the held chunks of ``keys`` (a chain, head first); each is
         announced as retained here, tail first (a shared tier's peers keep it too). A peer's
-        booking is retained here but not announced: this server never read it, and does not
-        pass a peer's claim on under its own name."""
+        booking is retained here but announced only once a read or a listing confirms it:
+        this server does not pass a peer's claim on under its own name."""
         self.books.set_priorities(keys, priority, until)
         if not self.listeners:
             return
         for key in reversed(keys):
             size = self.books.sizes.get(key)
-            if size is not None and key not in self.books.bookings:
-                self._announce(Change.RETAINED, Origin.HERE, key, self.namespaces[key], size,
-                               priority, until)
+            if size is None:
+                continue
+            if key in self.books.bookings:
+                if priority > DEFAULT_PRIORITY:
+                    self._retained_here[key] = (priority, until)
+                else:
+                    self._retained_here.pop(key, None)
+                continue
+            self._announce(Change.RETAINED, Origin.HERE, key, self.namespaces[key], size,
+                           priority, until)
 
     def release(self, promised: int) -> None:
         """A write promised ``promised`` bytes by :meth:`make_room` stored nothing."""
@@ -299,6 +311,9 @@ class LowerTierState:
             self.books.confirm(key, size)
             namespace = self.namespaces[key]
             self.namespaces[key] = self._interned.setdefault(namespace, namespace)
+            retained = self._retained_here.pop(key, None)
+            if retained is not None and (retained[1] is None or retained[1] > self.clock()):
+                self._announce(Change.RETAINED, Origin.HERE, key, namespace, size, *retained)
 
     def unlisted(self, reason: str) -> None:
         """The listing at start failed: bypass the tier until a probe passes, then list it
@@ -362,6 +377,7 @@ class LowerTierState:
         returns its namespace, ``None`` if it was not held."""
         if not self.books.forget(key):
             return None
+        self._retained_here.pop(key, None)
         namespace = self.namespaces.pop(key)
         self._announce(Change.REMOVED, origin, key, namespace)
         return namespace
@@ -424,6 +440,9 @@ class LowerTierState:
         self.books.check_integrity()
         if self.sizes.keys() != self.namespaces.keys():
             raise IntegrityError(f"tier {self.name}: index and namespaces disagree")
+        if any(key not in self.books.bookings for key in self._retained_here):
+            raise IntegrityError(f"tier {self.name}: a retention kept for a booking that is "
+                                 "no longer one")
         over = self.used + self.reserved > self.configured and not self.tier.shared
         if over or self.reserved < 0:  # a shared tier's books also hold others' writes
             raise IntegrityError(

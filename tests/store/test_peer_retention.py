@@ -182,6 +182,32 @@ def test_a_retention_here_does_not_vouch_for_a_peers_unverified_bookings(
         "kept here all the same"
 
 
+def test_a_booking_retained_here_is_announced_once_read_and_verified(
+        servers: Servers) -> None:
+    """The writer's chunks are bookings in the reader's books. The reader retains them: not
+    published while they are bookings; once it reads and verifies them, its retention is
+    published, and a third server keeps them so."""
+    writer = servers("w")
+    reader = servers("r")
+    other = servers("o")
+    chain = keys(2, "chain")
+    store_chunks(writer, chain)
+    settle(writer)
+    assert wait_until(lambda: all(k in reader.tiers[0].bookings and k in other.tiers[0]
+                                  for k in chain), 10.0)
+    reader.set_priority(chain, 70, 60.0)
+    time.sleep(0.3)  # a few journal rounds
+    assert [held(other, k) for k in chain] == [(35, None)] * 2, "not while booked"
+    assert load(reader, chain).payloads == expected(chain)
+    assert not any(k in reader.tiers[0].bookings for k in chain)
+
+    def retained() -> bool:
+        return all((h := held(other, k)) is not None and h[0] == 70 for k in chain)
+
+    assert wait_until(retained, 10.0), [held(other, k) for k in chain]
+    reader.check_integrity()
+
+
 @FS_ONLY
 def test_the_note_mac_covers_the_retention(servers: Servers) -> None:
     """A signed note whose retention was changed after signing is refused whole."""
