@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -237,30 +237,36 @@ class QuotaConfig(ConfigStruct, frozen=True):
             for tier in list(limits):
                 limits[tier] = parse_size(limits[tier], f"{where}.{tier}")
 
-    def check_tiers(self, capacities: Mapping[str, int]) -> None:
-        """Refuse a quota in a tier that does not exist or beyond the tier's capacity (a
-        quota cannot grant more than the tier holds: leave the tier out for no limit)."""
-        names = sorted(capacities)
+    def check_tiers(self, names: Iterable[str]) -> None:
+        allowed = sorted(names)
         for name, limits in [*self.tenants.items(), ("others", self.others)]:
-            unknown = set(limits) - set(names)
+            unknown = set(limits) - set(allowed)
             if unknown:
                 raise ConfigError(f"retention_quotas: {name}: unknown tier(s) "
-                                  f"{sorted(unknown)}; allowed: {names}")
-            for tier, limit in limits.items():
-                if limit > capacities[tier]:
-                    raise ConfigError(
-                        f"retention_quotas: {name}.{tier}: {limit} bytes is more than the "
-                        f"tier holds ({capacities[tier]} bytes); allowed: at most that, or "
-                        f"leave {tier} out for no limit")
+                                  f"{sorted(unknown)}; allowed: {allowed}")
 
-    def overcommitted(self, capacities: Mapping[str, int]) -> dict[str, int]:
-        """The tiers whose quotas together exceed their capacity, with that sum: there a
-        tenant's chunks retained within its quota may give way to another's, also within."""
+    def warnings(self, capacities: Mapping[str, int]) -> list[str]:
+        """What a server with these tiers should say at start: a quota beyond its tier's
+        capacity (no limit in effect; allowed, as pods sized differently share one config),
+        and a tier whose quotas add up to more than it holds (allowed: tenants rarely pin at
+        once; there a tenant's chunks retained within its quota may give way to another's
+        retained within theirs)."""
+        said: list[str] = []
         total: dict[str, int] = {}
-        for limits in [*self.tenants.values(), self.others]:
+        for name, limits in [*self.tenants.items(), ("others", self.others)]:
             for tier, limit in limits.items():
                 total[tier] = total.get(tier, 0) + int(limit)
-        return {tier: n for tier, n in total.items() if n > capacities.get(tier, n)}
+                if limit > capacities[tier]:
+                    said.append(f"retention_quotas: {name}.{tier} is {limit} bytes, more than "
+                                f"the tier holds ({capacities[tier]} bytes): no limit there "
+                                "in effect")
+        for tier, n in total.items():
+            if n > capacities[tier]:
+                said.append(f"retention_quotas: the quotas in tier {tier} add up to {n} bytes, "
+                            f"more than it holds ({capacities[tier]}): there a tenant's chunks "
+                            "retained within its quota may give way to another's retained "
+                            "within theirs")
+        return said
 
 
 class ServerConfig(ConfigStruct, frozen=True):
@@ -319,8 +325,9 @@ class ServerConfig(ConfigStruct, frozen=True):
             self.retention_quotas.check_tiers(self.capacities())
 
     def capacities(self) -> dict[str, int]:
-        """Bytes each tier holds, by name (``arena`` and the lower tiers)."""
-        return {"arena": int(self.arena.size_bytes),
+        """Bytes each tier holds, by name (``arena``: its whole slots, and the lower
+        tiers)."""
+        return {"arena": self.arena.num_slots * int(self.arena.slot_bytes),
                 **{tier.name: int(tier.capacity_bytes) for tier in self.tiers}}
 
     @classmethod

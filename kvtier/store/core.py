@@ -139,12 +139,8 @@ class TieredStore:
         self.quotas = Quotas(config.retention_quotas, self.metrics)
         """Bytes each tenant may hold above the default priority, per tier."""
         if config.retention_quotas is not None:
-            capacities = config.capacities()
-            for tier, total in config.retention_quotas.overcommitted(capacities).items():
-                log.warning("retention_quotas: the quotas in tier %s add up to %d bytes, more "
-                            "than it holds (%d): there a tenant's chunks retained within its "
-                            "quota may give way to another's retained within theirs", tier,
-                            total, capacities[tier])
+            for warning in config.retention_quotas.warnings(config.capacities()):
+                log.warning("%s", warning)
         self.writes = Writes(self.index, self.tiers, self.metrics, self.apply, self._reading,
                              self.keyring, self.quotas)
         self.loads = Loads(self.index, self.leases, self.promotions, self.writes, self.tiers,

@@ -99,27 +99,35 @@ def test_quota_config_is_checked(tmp_path: Path) -> None:
     for quotas, word in (({"tenants": {"a": {"ssd": "1GiB"}}}, "unknown tier"),
                          ({"tenants": {"a": {"arena": "lots"}}}, "tenants.a.arena"),
                          ({"others": {"arena": -1}}, "others.arena"),
-                         ({"tenant": {}}, "tenant"),
-                         ({"tenants": {"a": {"arena": "2GiB"}}},
-                          r"a\.arena: 2147483648 bytes is more than the tier holds "
-                          r"\(1073741824 bytes\); allowed: at most that, or leave arena out")):
+                         ({"tenant": {}}, "tenant")):
         with pytest.raises(ConfigError, match=word):
             ServerConfig.from_dict({"retention_quotas": quotas})
 
 
-def test_quotas_that_add_up_to_more_than_a_tier_are_allowed_and_warned_of(
+def test_quotas_beyond_a_tier_are_allowed_and_warned_of(
         tmp_path: Path, make_store: MakeStore, caplog: pytest.LogCaptureFixture) -> None:
-    """Overcommitted quotas (tenants rarely pin at once) start, with a warning naming the
-    tier: there the isolation between tenants' retained chunks no longer holds."""
-    quotas = {"tenants": {"alice": {"arena": 8 * SLOT_BYTES, "disk": 4 * CHUNK_BYTES},
-                          "bob": {"arena": 8 * SLOT_BYTES}}}
+    """A quota larger than its tier (pods sized differently share one config) and quotas
+    that add up to more than a tier (tenants rarely pin at once) start, with a warning
+    each, naming the tier: there the isolation between tenants' retained chunks no longer
+    holds. The arena holds its whole slots, not its size."""
+    quotas = {"tenants": {"alice": {"arena": 8 * SLOT_BYTES, "disk": 41 * CHUNK_BYTES},
+                          "bob": {"arena": 8 * SLOT_BYTES}},
+              "others": {"arena": 0}}
     with caplog.at_level(logging.WARNING, logger="kvtier.store"):
         store = make_store(tmp_path, slots=12, disk_bytes=40 * CHUNK_BYTES,
                            retention_quotas=quotas)
-    said = [r.getMessage() for r in caplog.records if "retention_quotas" in r.getMessage()]
-    assert len(said) == 1 and "tier arena add up to" in said[0], said
-    assert str(16 * SLOT_BYTES) in said[0]
+    said = sorted(r.getMessage() for r in caplog.records if "retention_quotas" in r.getMessage())
+    assert len(said) == 3, said
+    assert said[0].startswith(f"retention_quotas: alice.disk is {41 * CHUNK_BYTES} bytes, "
+                              f"more than the tier holds ({40 * CHUNK_BYTES} bytes)"), said
+    assert said[1].startswith(f"retention_quotas: the quotas in tier arena add up to "
+                              f"{16 * SLOT_BYTES} bytes, more than it holds "
+                              f"({12 * SLOT_BYTES})"), said
+    assert "tier disk add up to" in said[2], said
     store.check_integrity()
+    odd = ServerConfig.from_dict({"arena": {"size_bytes": 3 * SLOT_BYTES - 1,
+                                            "slot_bytes": SLOT_BYTES}})
+    assert odd.capacities()["arena"] == 2 * SLOT_BYTES, "whole slots"
 
 
 @pytest.mark.parametrize("quotas", [
