@@ -111,7 +111,7 @@ class Sharing:
         self.apply = apply
         """The store's gate for every change of its books (:mod:`kvtier.store.locking`)."""
         self._waited = threading.local()
-        """Per I/O thread: seconds the running job spent in the tier's calls."""
+        """Per I/O thread: the seconds of the running job's slowest call of the tier."""
         self.reading = reading
         self.on_sweep = on_sweep
         self.outbox: list[journal.Record] = []
@@ -295,13 +295,15 @@ class Sharing:
 
     @contextlib.contextmanager
     def _backend(self) -> Iterator[None]:
-        """Time a call of the tier: what the breaker judges a job by (not the job's other
-        time: waiting for the store lock, opening and checking notes, a busy interpreter)."""
+        """Time a call of the tier. The breaker judges a job by its slowest call, as it
+        judges a chunk's read or write: not by the job's other time (waiting for the store
+        lock, opening and checking notes, a busy interpreter between calls), nor by how
+        many calls it made (a poll that reads a hundred notes is not one slow operation)."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._waited.s = self._backend_time() + time.perf_counter() - start
+            self._waited.s = max(self._backend_time(), time.perf_counter() - start)
 
     def _backend_time(self) -> float:
         return float(getattr(self._waited, "s", 0.0))

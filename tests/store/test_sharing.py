@@ -275,7 +275,7 @@ def test_journal_records_survive_garbage(ops: int) -> None:
 class SlowTouchFs(FsTier):
     """A real fs tier whose touches each take ``delay_s`` (a slow backend), counted."""
 
-    delay_s = 0.005
+    delay_s = 0.012
     touched = 0
 
     def touch(self, key: ChunkKey, *, namespace: bytes) -> None:
@@ -290,9 +290,11 @@ def sharing_of(store: TieredStore) -> Sharing:
 
 def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
         tmp_path: Path, make_store: MakeStore) -> None:
+    # one batch takes 256 x 12 ms: 3 s against a budget of 1 s, a margin for the suite's
+    # collector pausing the interpreter
     tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
             "io_threads": 1, "breaker": {"errors": 1, "error_ratio": 0.0,
-                                         "latency_budget_s": 0.5},
+                                         "latency_budget_s": 1.0},
             "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
     store = make_store(tmp_path / "a", tiers=[tier])
     store.rebuild()
@@ -306,9 +308,9 @@ def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
             state.hit(key, NS, CHUNK_BYTES)
         assert len(sharing._to_touch) == MAX_TO_TOUCH, "the oldest are dropped"
         assert sharing.touches_dropped == 5
-        while len(sharing._to_touch) > TOUCH_BATCH:  # one batch: ~1.3 s, 5 ms a touch
+        while len(sharing._to_touch) > TOUCH_BATCH:  # one batch
             sharing._to_touch.pop()
-    assert wait_until(lambda: slow.touched == TOUCH_BATCH, 10.0)
+    assert wait_until(lambda: slow.touched == TOUCH_BATCH, 20.0)
     settle(store)
     assert state.breaker.state is BreakerState.CLOSED, "each touch is its own operation"
 
