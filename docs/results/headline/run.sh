@@ -9,7 +9,7 @@ limit=${2:-10800}
 flock /tmp/kvtier-heavy.lock timeout --signal=INT --kill-after=120 "$limit" \
   kvtier bench sweep \
     --configs device+noop,device,arena+disk,lmcache,2x-plain+vllm-router,2x+cache \
-    --users 2,4,8,16,32,64,128 --history 4000 --num-rounds 4 --warmup-rounds 1 \
+    --users 2,4,8,16,32,64 --history 4000 --num-rounds 4 --warmup-rounds 1 \
     --shared-system-prompt 500 --question-len 50 --answer-len 32 \
     --device-blocks 160 --max-model-len 8192 --arena-size 256MiB --disk-size 8GiB \
     --repeat 3 --out "$out"
