@@ -21,8 +21,9 @@ MODEL = "kvtier-demo"
 CHARS = 5000  # about 1100 tokens: 4 full chunks
 INSTANCE_BACK_S = 120.0
 """An instance is back in about its own start time under the other instance's load: 27-46 s
-on the 2-core test machine (docs/results/faults) once each instance runs wholly on its core (73-251 s before, when
-importing torch could wait minutes to move between cores; docs/serve-stack.md)."""
+on the 2-core test machine (docs/results/faults) once each instance runs wholly on its core
+(73-251 s before, when importing torch could wait minutes to move between cores;
+docs/serve-stack.md)."""
 
 
 @dataclass
