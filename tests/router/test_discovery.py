@@ -77,8 +77,8 @@ def test_a_backend_added_to_the_file_takes_requests_within_one_interval(
                 assert {await served_by(s, url) for _ in range(4)} == {a.url}
                 write(path, [a.url, b.url])
                 written = time.monotonic()
-                while not b.seen:
-                    assert time.monotonic() - written < INTERVAL_S + 1.0, "never reached"
+                while not b.seen:  # the bound is asserted below; this one only ends the loop
+                    assert time.monotonic() - written < 5.0, "never reached"
                     await served_by(s, url)
                     await asyncio.sleep(0.01)
                 took = b.seen[0]["at"] - written
@@ -182,9 +182,13 @@ def test_a_bad_file_keeps_the_last_good_set_and_says_so_once(
                 await asyncio.sleep(0.4)
                 assert [bk.url for bk in router.pool] == [a.url]
                 write(path, [b.url])
-                await asyncio.sleep(0.4)
+                written = time.monotonic()
+                while [bk.url for bk in router.pool if bk.healthy] != [b.url]:
+                    assert time.monotonic() - written < 3.0, "b never took over"
+                    await asyncio.sleep(0.02)
                 assert await served_by(s, url) == b.url
-                assert router.metrics.discovery_failures._value.get() >= 9
+                # counted every round (at least two a phase), though logged once a kind
+                assert router.metrics.discovery_failures._value.get() >= 6
         said = [r.getMessage() for r in caplog.records if "discovery:" in r.getMessage()]
         failures = [m for m in said if "failed" in m]
         assert len(failures) == 3, said  # once per kind of failure, not once a round
@@ -256,7 +260,10 @@ def test_an_empty_start_waits_for_backends_and_answers_503_meanwhile(tmp_path: P
                 async with s.get(f"{url}/health") as resp:
                     assert resp.status == 503
                 write(path, [a.url])
-                await asyncio.sleep(INTERVAL_S + 0.3)
+                written = time.monotonic()
+                while not any(bk.url == a.url and bk.healthy for bk in router.pool):
+                    assert time.monotonic() - written < 2 * INTERVAL_S + 1.0, "never joined"
+                    await asyncio.sleep(0.02)
                 assert await served_by(s, url) == a.url
 
     asyncio.run(main())

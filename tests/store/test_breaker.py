@@ -176,12 +176,13 @@ def test_a_slow_tier_wrapped_with_delay_opens_its_breaker(
         tmp_path: Path, make_store: MakeStore) -> None:
     store = disk_store(make_store, tmp_path, tmp_path / "tier", slots=6,
                        breaker={**BREAKER, "errors": 2, "error_ratio": 0.0,
-                                "latency_budget_s": 0.05})
+                                "latency_budget_s": 0.5})
     k = keys(3)
     store_chunks(store, k)
     settle(store)
     evict_all(store, "evictor")
-    with wrapped(store, delay_s=0.12):
+    assert breaker(store) is BreakerState.CLOSED, "the real writes were within the budget"
+    with wrapped(store, delay_s=1.0):
         for key in k[:2]:
             assert load(store, [key]) == (["disk"], expected([key])), "slow, but right"
         assert breaker(store) is BreakerState.OPEN

@@ -290,11 +290,11 @@ def sharing_of(store: TieredStore) -> Sharing:
 
 def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
         tmp_path: Path, make_store: MakeStore) -> None:
-    # one batch takes 256 x 12 ms: 3 s against a budget of 1 s, a margin for the suite's
-    # collector pausing the interpreter
+    # one batch takes 256 x 12 ms: 3 s against a budget of 2 s (the default), a margin for a
+    # busy machine pausing any one call
     tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
             "io_threads": 1, "breaker": {"errors": 1, "error_ratio": 0.0,
-                                         "latency_budget_s": 1.0},
+                                         "latency_budget_s": 2.0},
             "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
     store = make_store(tmp_path / "a", tiers=[tier])
     store.rebuild()
@@ -330,7 +330,7 @@ def test_the_breaker_judges_a_job_by_its_tier_calls_alone(
     """A job kept waiting by a long hold of the store lock (a big batch of lookups), or busy
     between its calls of the tier, is not the tier being slow; a slow call of the tier is."""
     tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
-            "breaker": {"errors": 1, "error_ratio": 0.0, "latency_budget_s": 1.0},
+            "breaker": {"errors": 1, "error_ratio": 0.0, "latency_budget_s": 2.0},
             "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
     store = make_store(tmp_path / "a", tiers=[tier])
     store.rebuild()
@@ -359,7 +359,7 @@ def test_the_breaker_judges_a_job_by_its_tier_calls_alone(
     holder.join()
     assert time.monotonic() - started > 2.0, "the job did wait out the hold"
     assert state.breaker.state is BreakerState.CLOSED, "not the tier's time"
-    slow.delay_s = 1.2
+    slow.delay_s = 2.5
     beats = sharing._job("heartbeat", sharing._heartbeat, object())
     beats(Job(beats, None, None, time.monotonic()))
     assert state.breaker.state is BreakerState.OPEN, "a slow note write opens the breaker"
