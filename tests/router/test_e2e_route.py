@@ -85,7 +85,9 @@ def call(url: str, body: Any = None, headers: dict[str, str] | None = None,
 def start_instance(root: Path, name: str, core: int, shared: Path) -> Instance:
     folder = root / name
     folder.mkdir()
-    config = {"socket_path": str(folder / "kvtier.sock"), "arena": {"size_bytes": "128MiB"},
+    # an arena that keeps every prompt of the module (~1 MiB a chunk): a decision's reason
+    # must not depend on whether x's arena already lost a prompt to the busy ones
+    config = {"socket_path": str(folder / "kvtier.sock"), "arena": {"size_bytes": "512MiB"},
               "tiers": [{"type": "fs", "name": "shared", "capacity_bytes": "1GiB",
                          "options": {"path": str(shared), "journal_interval_s": 0.1,
                                      "poll_s": 0.2, "sweep_interval_s": 600}}]}
