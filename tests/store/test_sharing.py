@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from store_helpers import (
@@ -288,20 +288,31 @@ def sharing_of(store: TieredStore) -> Sharing:
     return store.sharing[store.tiers[0].name]
 
 
+Slow = TypeVar("Slow", bound=FsTier)
+
+
+def on_slowed_backend(tmp_path: Path, make_store: MakeStore, slowed: type[Slow],
+                      **tier: Any) -> tuple[TieredStore, Slow]:
+    """A store on one shared fs tier whose breaker opens on one operation over the default
+    budget (2 s), its backend replaced by ``slowed`` (a real fs tier, slowed down)."""
+    config = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
+              "breaker": {"errors": 1, "error_ratio": 0.0, "latency_budget_s": 2.0},
+              "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}, **tier}
+    store = make_store(tmp_path / "a", tiers=[config])
+    store.rebuild()
+    state = store.tiers[0]
+    slow = slowed(state.name, state.config)
+    state.tier = sharing_of(store).tier = slow
+    return store, slow
+
+
 def test_backend_touches_are_bounded_and_a_long_batch_is_not_one_slow_operation(
         tmp_path: Path, make_store: MakeStore) -> None:
     # one batch takes 256 x 12 ms: 3 s against a budget of 2 s (the default), a margin for a
     # busy machine pausing any one call
-    tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
-            "io_threads": 1, "breaker": {"errors": 1, "error_ratio": 0.0,
-                                         "latency_budget_s": 2.0},
-            "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
-    store = make_store(tmp_path / "a", tiers=[tier])
-    store.rebuild()
+    store, slow = on_slowed_backend(tmp_path, make_store, SlowTouchFs, io_threads=1)
     state = store.tiers[0]
     sharing = sharing_of(store)
-    slow = SlowTouchFs(state.name, state.config)
-    state.tier = sharing.tier = slow
     hits = keys(MAX_TO_TOUCH + 5, "hit")
     with store._locked("test"):
         for key in hits:
@@ -329,15 +340,9 @@ def test_the_breaker_judges_a_job_by_its_tier_calls_alone(
         tmp_path: Path, make_store: MakeStore) -> None:
     """A job kept waiting by a long hold of the store lock (a big batch of lookups), or busy
     between its calls of the tier, is not the tier being slow; a slow call of the tier is."""
-    tier = {"type": "fs", "name": "shared", "capacity_bytes": 64 * CHUNK_BYTES,
-            "breaker": {"errors": 1, "error_ratio": 0.0, "latency_budget_s": 2.0},
-            "options": {"path": str(tmp_path / "volume"), "fsync": False, **FAST}}
-    store = make_store(tmp_path / "a", tiers=[tier])
-    store.rebuild()
+    store, slow = on_slowed_backend(tmp_path, make_store, SlowNotesFs)
     state = store.tiers[0]
     sharing = sharing_of(store)
-    slow = SlowNotesFs(state.name, state.config)
-    state.tier = sharing.tier = slow
     held = threading.Event()
 
     def hold() -> None:
