@@ -322,7 +322,7 @@ class ServerConfig(ConfigStruct, frozen=True):
         if len(set(names)) != len(names):
             raise ConfigError(f"tiers: names must be unique, got {names}")
         if self.retention_quotas is not None:
-            self.retention_quotas.check_tiers(self.capacities())
+            self.retention_quotas.check_tiers({"arena", *names})
 
     def capacities(self) -> dict[str, int]:
         """Bytes each tier holds, by name (``arena``: its whole slots, and the lower
